@@ -1,0 +1,102 @@
+"""Routing policies: each turns the eligible candidates into values; the picker takes the
+highest value and breaks ties by a per-decision hash, so equal workers share new prefixes
+instead of all of them landing on the first one (herding)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cachepilot.routing.cost import Weights
+from cachepilot.routing.decision import Candidate
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a policy may look at besides the candidates."""
+
+    seq: int  # the pool's decision counter (round robin's position)
+    tokens: int
+    weights: Weights
+
+
+class Policy:
+    name: str = ""
+    tie_tolerance: float = 0.0  # values this close to the best count as a tie
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        raise NotImplementedError
+
+    def observe(self, decision: object, ttft_ms: float | None) -> None:
+        """Feedback hook for policies that learn from outcomes; stateless ones ignore it."""
+
+
+class RoundRobin(Policy):
+    """Each eligible worker in turn (by address), ignoring caches and load."""
+
+    name = "round_robin"
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        order = sorted(range(len(cands)), key=lambda i: cands[i].worker)
+        n = len(cands)
+        out = [0.0] * n
+        for pos, i in enumerate(order):
+            out[i] = -float((pos - ctx.seq) % n)
+        return out
+
+
+class LeastLoaded(Policy):
+    """Fewest waiting + running requests, ignoring caches."""
+
+    name = "least_loaded"
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        return [-float(c.waiting + c.running) for c in cands]
+
+
+class OverlapOnly(Policy):
+    """Longest cached prefix alone: the policy that pins hot prefixes to one worker."""
+
+    name = "overlap_only"
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        return [float(c.matched_tokens) for c in cands]
+
+
+class Priced(Policy):
+    """CachePilot: prefill saved by the cache, minus queue wait and KV pressure, all in ms.
+    With unit weights, the maximum is the worker with the lowest predicted TTFT."""
+
+    name = "priced"
+    tie_tolerance = 0.5
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        w = ctx.weights
+        return [w.prefill * c.saved_ms - w.load * c.queue_ms - w.kv * c.kv_ms for c in cands]
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    p.name: p for p in (RoundRobin, LeastLoaded, OverlapOnly, Priced)
+}
+
+
+def register(factory: Callable[[], Policy], name: str | None = None) -> None:
+    """Add a policy (the simulator's peer models register here)."""
+    POLICIES[name or factory().name] = factory
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
+def pick(values: Sequence[float], tolerance: float, tie_key: int) -> tuple[int, float]:
+    """Index of the best value (ties split by ``tie_key``) and its margin over the runner-up."""
+    best = max(values)
+    tied = [i for i, v in enumerate(values) if v >= best - tolerance]
+    choice = tied[tie_key % len(tied)]
+    others = [v for i, v in enumerate(values) if i != choice]
+    margin = values[choice] - max(others) if others else 0.0
+    return choice, margin
