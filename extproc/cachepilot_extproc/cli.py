@@ -1,0 +1,127 @@
+"""``cachepilot gateway`` and ``cachepilot envoy-config``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import click
+
+from cachepilot.routing.cost import CostModel, Weights
+from cachepilot.routing.fingerprint import BlockConfig
+from cachepilot.routing.policies import POLICIES
+from cachepilot.routing.pool import Pool, PoolSpec
+from cachepilot.routing.router import Router
+
+
+def parse_weights(text: str | None) -> Weights:
+    """``prefill=1,load=2,kv=0.5`` → Weights; unknown names are an error, not ignored."""
+    if not text:
+        return Weights()
+    values: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in ("prefill", "load", "kv"):
+            raise click.BadParameter(f"expected prefill=X,load=Y,kv=Z; got {part!r}")
+        try:
+            values[name.strip()] = float(value)
+        except ValueError:
+            raise click.BadParameter(f"{name}: {value!r} is not a number") from None
+    return Weights(**values)
+
+
+def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],
+                  block: BlockConfig, capacity_blocks: int, engine: str,
+                  cost: CostModel | None = None, pool_name: str = "default") -> Router:
+    """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
+    spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
+                    block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel())
+    pool = Pool(spec)
+    for addr in workers:
+        pool.upsert_worker(addr, labels={"engine": engine})
+    return Router([pool])
+
+
+def routing_options(f):  # type: ignore[no-untyped-def]
+    """Options shared by every command that builds a router."""
+    opts = [
+        click.option("--policy", type=click.Choice(sorted(POLICIES)), default="priced",
+                     show_default=True),
+        click.option("--weights", default=None, help="e.g. prefill=1,load=1,kv=1"),
+        click.option("--block-size", type=int, default=16, show_default=True),
+        click.option("--chars-per-token", type=float, default=4.0, show_default=True),
+        click.option("--capacity-blocks", type=int, default=4096, show_default=True,
+                     help="Directory capacity per worker until the engine reports its own."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+@click.command("gateway")
+@click.option("--listen", default="127.0.0.1:9002", show_default=True, help="ext_proc gRPC.")
+@click.option("--admin-host", default="127.0.0.1", show_default=True)
+@click.option("--admin-port", type=int, default=9090, show_default=True)
+@click.option("--admin-token", envvar="CACHEPILOT_ADMIN_TOKEN", default=None,
+              help="Bearer token for the admin API (required when it is not on loopback).")
+@click.option("--workers", default="", help="Static workers, ip:port,ip:port (no Kubernetes).")
+@click.option("--model", "models", multiple=True, help="Models this pool serves (default: any).")
+@click.option("--engine", default="vllm", show_default=True,
+              type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
+@click.option("--scrape-interval", type=float, default=0.25, show_default=True)
+@click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
+@routing_options
+def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
+                workers: str, models: tuple[str, ...], engine: str, scrape_interval: float,
+                max_body_bytes: int, policy: str, weights: str | None, block_size: int,
+                chars_per_token: float, capacity_blocks: int) -> None:
+    """Run the ext_proc gateway (Envoy calls it for every request)."""
+    from cachepilot_extproc.server import Gateway, GatewayConfig, serve
+    from cachepilot_extproc.service import GatewayOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if admin_host not in ("127.0.0.1", "localhost", "::1") and not admin_token:
+        raise click.UsageError("the admin API leaves loopback only with --admin-token")
+    addrs = [w.strip() for w in workers.split(",") if w.strip()]
+    router = static_router(addrs, policy=policy, weights=parse_weights(weights), models=models,
+                           block=BlockConfig(block_size, chars_per_token),
+                           capacity_blocks=capacity_blocks, engine=engine)
+    config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
+                           admin_token=admin_token, scrape_interval_s=scrape_interval,
+                           options=GatewayOptions(max_body_bytes=max_body_bytes))
+
+    def ready(gw: Gateway) -> None:
+        click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "
+                   f"admin http://{admin_host}:{gw.admin_port}", err=True)
+
+    asyncio.run(serve(Gateway(router, config), ready))
+
+
+@click.command("envoy-config")
+@click.option("--listen-port", type=int, default=8080, show_default=True)
+@click.option("--listen-address", default="0.0.0.0", show_default=True)
+@click.option("--admin-port", type=int, default=9901, show_default=True)
+@click.option("--ext-proc", default="127.0.0.1:9002", show_default=True, help="host:port")
+@click.option("--fail-open/--fail-closed", default=False, show_default=True)
+@click.option("--fallback", default="", help="host:port,… for fail-open (round robin).")
+@click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
+              help="Stream response bodies through the gateway (measured TTFT, cached tokens).")
+@click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml")
+def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext_proc: str,
+                     fail_open: bool, fallback: str, observe_responses: bool,
+                     max_body_bytes: int, fmt: str) -> None:
+    """Print Envoy's bootstrap for CachePilot."""
+    from cachepilot_extproc.envoy_config import EnvoyOptions, _split, render
+
+    host, port = _split(ext_proc)
+    try:
+        opts = EnvoyOptions(listen_address=listen_address, listen_port=listen_port,
+                            admin_port=admin_port, ext_proc_host=host, ext_proc_port=port,
+                            fail_open=fail_open,
+                            fallback_workers=tuple(x for x in fallback.split(",") if x),
+                            observe_responses=observe_responses, max_body_bytes=max_body_bytes)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    sys.stdout.write(render(opts, fmt))

