@@ -36,6 +36,7 @@ from cachepilot.routing import (
     WorkerMetrics,
 )
 from cachepilot.routing.policies import Policy, make_policy
+from cachepilot.sim import policies as _peer_policies  # noqa: F401  (registers peers)
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
 from cachepilot.worker.engine import Engine, EngineConfig, EngineRequest
 
