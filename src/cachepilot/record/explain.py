@@ -77,14 +77,15 @@ def plain_reason(record: Mapping[str, Any]) -> str:
     parts = {
         "cached prefix": (wt.get("prefill", 1.0) * (w["saved_ms"] - r["saved_ms"]),
                           f"{w['matched_tokens']} vs {r['matched_tokens']} cached tokens"),
-        "queue": (wt.get("load", 1.0) * (r["queue_ms"] - w["queue_ms"]),
-                  f"{w['queue_ms']:.0f} vs {r['queue_ms']:.0f} ms queued"),
-        "KV pressure": (wt.get("kv", 1.0) * (r["kv_ms"] - w["kv_ms"]),
-                        f"{w['kv_ms']:.0f} vs {r['kv_ms']:.0f} ms KV pressure"),
+        "shorter queue": (wt.get("load", 1.0) * (r["queue_ms"] - w["queue_ms"]),
+                          f"{w['queue_ms']:.0f} vs {r['queue_ms']:.0f} ms"),
+        "less KV pressure": (wt.get("kv", 1.0) * (r["kv_ms"] - w["kv_ms"]),
+                             f"{w['kv_ms']:.0f} vs {r['kv_ms']:.0f} ms"),
     }
     ranked = sorted(parts.items(), key=lambda kv: -kv[1][0])
     pros = [f"{label} ({detail}, {ms:+.0f} ms)" for label, (ms, detail) in ranked if ms > 0.5]
-    cons = [f"{label} ({detail}, {ms:+.0f} ms)" for label, (ms, detail) in ranked if ms < -0.5]
+    cons = [f"{label.split()[-1]} ({detail}, {ms:+.0f} ms)" for label, (ms, detail) in ranked
+            if ms < -0.5]
     why = "; ".join(pros) if pros else "no single term stood out"
     line = (f"{name} beat {r['worker']} by {margin:.0f} ms of priced value "
             f"(predicted TTFT {w['predicted_ttft_ms']:.0f} vs {r['predicted_ttft_ms']:.0f} ms): "
@@ -98,26 +99,32 @@ def _fmt_ms(v: float | None) -> str:
     return "–" if v is None else f"{v:.1f}"
 
 
+_ROWS: tuple[tuple[str, Any], ...] = (
+    ("status", lambda c: "eligible" if c["eligible"] else (c["filtered"] or "no")),
+    ("cached blocks/tokens", lambda c: f"{c['matched_blocks']}/{c['matched_tokens']}"),
+    ("wait/run/inflight", lambda c: f"{c['waiting']}/{c['running']}/{c['inflight']}"),
+    ("KV usage", lambda c: f"{100 * c['kv_usage']:.0f}%"),
+    ("metrics age ms", lambda c: _fmt_ms(c["metrics_age_ms"])),
+    ("saved ms", lambda c: _fmt_ms(c["saved_ms"])),
+    ("prefill ms", lambda c: _fmt_ms(c["prefill_ms"])),
+    ("queue ms", lambda c: _fmt_ms(c["queue_ms"])),
+    ("KV pressure ms", lambda c: _fmt_ms(c["kv_ms"])),
+    ("predicted TTFT ms", lambda c: _fmt_ms(c["predicted_ttft_ms"])),
+    ("value", lambda c: f"{c['value']:.1f}" if c["eligible"] else "–"),
+)
+
+
 def table(record: Mapping[str, Any]) -> Table:
+    """Terms as rows, one column per worker (the winner starred)."""
     t = Table(title=(f"decision {record['id']} · pool {record['pool']} · model {record['model']}"
                      f" · policy {record['policy']}"), title_justify="left")
-    for col, just in (("", "left"), ("worker", "left"), ("status", "left"),
-                      ("cached blk/tok", "right"), ("wait", "right"), ("run", "right"),
-                      ("infl", "right"), ("kv %", "right"), ("age ms", "right"),
-                      ("saved", "right"), ("prefill", "right"), ("queue", "right"),
-                      ("kv", "right"), ("pred TTFT", "right"), ("value", "right")):
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    t.add_column("")
     for c in record["candidates"]:
         won = c["worker"] == record["chosen"]
-        t.add_row(
-            "★" if won else "", c["worker"], "eligible" if c["eligible"] else (c["filtered"] or "no"),
-            f"{c['matched_blocks']}/{c['matched_tokens']}", str(c["waiting"]), str(c["running"]),
-            str(c["inflight"]), f"{100 * c['kv_usage']:.0f}", _fmt_ms(c["metrics_age_ms"]),
-            _fmt_ms(c["saved_ms"]), _fmt_ms(c["prefill_ms"]), _fmt_ms(c["queue_ms"]),
-            _fmt_ms(c["kv_ms"]), _fmt_ms(c["predicted_ttft_ms"]),
-            f"{c['value']:.1f}" if c["eligible"] else "–",
-            style="bold green" if won else ("dim" if not c["eligible"] else None),
-        )
+        t.add_column(("★ " if won else "") + c["worker"], justify="right",
+                     style="bold green" if won else ("dim" if not c["eligible"] else None))
+    for label, fmt in _ROWS:
+        t.add_row(label, *(fmt(c) for c in record["candidates"]))
     return t
 
 
@@ -130,9 +137,9 @@ def outcome_lines(record: Mapping[str, Any]) -> list[str]:
         lines.append(f"TTFT: predicted {_fmt_ms(pred)} ms; measured: no outcome recorded")
     else:
         kind = out.get("first_byte", "?")
-        note = "" if kind in ("stream", "sim") else " (not streamed: includes generation)"
+        note = "" if kind in ("stream", "sim") else ", not streamed: includes generation"
         lines.append(f"TTFT: predicted {_fmt_ms(pred)} ms, measured {ttft:.1f} ms "
-                     f"[{kind}]{note}, error {ttft - (pred or 0.0):+.1f} ms")
+                     f"({kind}{note}), error {ttft - (pred or 0.0):+.1f} ms")
     cached = out.get("cached_tokens")
     predicted = record.get("predicted_cached_tokens", 0)
     hit = "hit" if record.get("predicted_hit") else "miss"

@@ -131,9 +131,14 @@ class Recorder:
             return self._drop("outcome", "closed")
         return self._put(("outcome", decision_id, clean), "outcome")
 
-    def on_decision(self, decision: Decision, outcome: Any = None, pool: Any = None) -> None:
-        """Simulator callback: a decision and (optionally) its outcome at once. ``outcome``
-        is a mapping or an object with the outcome fields as attributes."""
+    def on_decision(self, decision: Decision | None, outcome: Any = None,
+                    pool: Any = None) -> None:
+        """The simulator's ``on_decision(decision, outcome)`` hook: a decision and its
+        outcome at once (a rejected request, ``decision`` None, has nothing to record).
+        ``outcome`` is a mapping of outcome fields or an object with them as attributes;
+        the simulator's Outcome (ttft_s, finished_at, output_tokens) is understood too."""
+        if decision is None:
+            return
         self.decision(decision, pool)
         if outcome is not None:
             fields = _outcome_fields(outcome)
@@ -322,5 +327,18 @@ def open_recorder(path: str | os.PathLike[str] | None, **kwargs: Any) -> Recorde
 def _outcome_fields(outcome: Any) -> dict[str, Any]:
     if isinstance(outcome, Mapping):
         return {k: v for k, v in outcome.items() if v is not None}
-    return {k: getattr(outcome, k) for k in OUTCOME_FIELDS
-            if getattr(outcome, k, None) is not None}
+    fields = {k: getattr(outcome, k) for k in OUTCOME_FIELDS
+              if getattr(outcome, k, None) is not None}
+    # cachepilot.sim.Outcome: seconds on the virtual clock.
+    ttft_s = getattr(outcome, "ttft_s", None)
+    if ttft_s is not None:
+        fields.setdefault("ttft_ms", ttft_s * 1000.0)
+    finished = getattr(outcome, "finished_at", None)
+    if finished is not None:
+        fields.setdefault("completed_at", finished)
+    out_tokens = getattr(outcome, "output_tokens", None)
+    if out_tokens is not None and finished is not None:
+        fields.setdefault("completion_tokens", out_tokens)
+    if hasattr(outcome, "rejected"):
+        fields.setdefault("status", 200 if ttft_s is not None else 503)
+    return fields
