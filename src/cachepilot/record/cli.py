@@ -65,13 +65,10 @@ def replay_cmd(log_path: str, policy: str | None, weights: str | None, cost: str
     """Re-decide every recorded request under another policy, weights or cost model, from
     the state recorded at the time; report what changes."""
     from cachepilot.record.replay import parse_cost, parse_weights, replay
-    from cachepilot.routing.policies import make_policy
 
     try:
         w = parse_weights(weights)
         c = parse_cost(cost)
-        if policy is not None:
-            make_policy(policy)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     log = _open(log_path)
@@ -84,7 +81,10 @@ def replay_cmd(log_path: str, policy: str | None, weights: str | None, cost: str
             raise click.ClickException(str(exc)) from None
         _json(result)
         return
-    report = replay(log, policy, weights=w, cost=c, keep_changes=show)
+    try:
+        report = replay(log, policy, weights=w, cost=c, keep_changes=show)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     d = report.to_dict()
     if as_json:
         _json(d)

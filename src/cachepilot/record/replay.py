@@ -30,8 +30,10 @@ from cachepilot.routing.cost import (
     prefill_ms_per_token,
     queue_ms,
 )
-from cachepilot.routing.decision import Candidate
+from cachepilot.routing.decision import Candidate, Decision
+from cachepilot.routing.fingerprint import BlockConfig
 from cachepilot.routing.policies import Context, Policy, make_policy, pick
+from cachepilot.routing.pool import Pool, PoolSpec
 from cachepilot.routing.workers import WorkerMetrics, WorkerState
 
 _COST_FIELDS = {f.name for f in fields(CostModel)}
@@ -122,9 +124,10 @@ class Redecision:
 
 def redecide(record: Mapping[str, Any], policy: Policy, *,
              weights: Mapping[str, float] | None = None,
-             cost: Mapping[str, float] | None = None) -> Redecision | None:
+             cost: Mapping[str, float] | None = None,
+             _cands: list[Candidate] | None = None) -> Redecision | None:
     """Re-decide one record. None if no candidate was eligible (nothing to choose)."""
-    cands = record_to_candidates(record)
+    cands = record_to_candidates(record) if _cands is None else _cands
     if cost:
         reprice(record, cands, cost)
     eligible = [c for c in cands if c.eligible]
@@ -132,8 +135,15 @@ def redecide(record: Mapping[str, Any], policy: Policy, *,
         return None
     w = Weights(**{**{k: v for k, v in record["weights"].items() if k in _WEIGHT_FIELDS},
                    **(weights or {})})
+    if policy.name == record["policy"]:
+        # The learned state the recorded decision used (e.g. the adaptive load weight).
+        for key, value in (record.get("extra") or {}).items():
+            if isinstance(value, int | float) and hasattr(policy, key):
+                setattr(policy, key, value)
     ctx = Context(seq=record["seq"], tokens=record["tokens"], weights=w)
     values = policy.values(eligible, ctx)
+    for c, v in zip(eligible, values, strict=True):
+        c.value = v
     i, margin = pick(values, policy.tie_tolerance, xxh3_64_intdigest(record["id"].encode()))
     by_worker = {c.worker: c for c in cands}
     recorded = by_worker.get(record["chosen"])
@@ -144,6 +154,41 @@ def redecide(record: Mapping[str, Any], policy: Policy, *,
                           else float("nan")),
         new_ttft_ms=chosen.predicted_ttft_ms,
     )
+
+
+_STATEFUL_HOOKS = ("before_route", "after_route", "on_finish")
+
+
+def replay_policy(name: str, record: Mapping[str, Any]) -> Policy:
+    """A fresh policy for replay, bound to a pool shaped like the recorded one. Policies that
+    keep routing state of their own (hooks around each route) cannot be rebuilt from the
+    record: ValueError."""
+    try:
+        pol = make_policy(name)
+    except ValueError:
+        try:  # the simulator's peer models register on import
+            import cachepilot.sim.policies  # noqa: F401
+        except ImportError:
+            raise ValueError(f"unknown policy {name!r}") from None
+        pol = make_policy(name)
+    hooks = [h for h in _STATEFUL_HOOKS if hasattr(pol, h)]
+    if hooks:
+        raise ValueError(f"policy {name!r} keeps its own routing state ({', '.join(hooks)}): "
+                         "a static replay cannot rebuild it; use --simulate")
+    bind = getattr(pol, "bind", None)
+    if bind is not None:
+        bind(Pool(PoolSpec(name=record["pool"], policy="priced", cost=recorded_cost(record),
+                           block=BlockConfig(block_size=record["block_size"]))))
+    return pol
+
+
+def _as_decision(record: Mapping[str, Any], cands: list[Candidate], r: Redecision) -> Decision:
+    """A Decision for ``Policy.observe`` (learning policies read the winner's terms)."""
+    return Decision(id=record["id"], time=record["time"], pool=record["pool"],
+                    model=record["model"], policy=record["policy"],
+                    weights=dict(record["weights"]), seq=record["seq"], tokens=record["tokens"],
+                    block_size=record["block_size"], hashes=(), candidates=cands,
+                    chosen=r.chosen, margin_ms=r.margin_ms, reason="replay")
 
 
 def imbalance(counts: Mapping[str, int]) -> float:
@@ -209,8 +254,9 @@ def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
         name = policy or rec["policy"]
         pol = policies.get(name)
         if pol is None:
-            pol = policies[name] = make_policy(name)
-        r = redecide(rec, pol, weights=weights, cost=cost)
+            pol = policies[name] = replay_policy(name, rec)
+        cands = record_to_candidates(rec)
+        r = redecide(rec, pol, weights=weights, cost=cost, _cands=cands)
         if r is None:
             report.skipped += 1
             continue
@@ -229,6 +275,7 @@ def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
             if len(report.changes) < keep_changes:
                 report.changes.append(r)
         outcome = rec.get("outcome") or {}
-        pol.observe(rec, outcome.get("ttft_ms") if not r.changed else None)
+        if not r.changed and outcome.get("ttft_ms") is not None:
+            pol.observe(_as_decision(rec, cands, r), outcome["ttft_ms"])
     return report
 
