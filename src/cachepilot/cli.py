@@ -14,6 +14,8 @@ COMMANDS: dict[str, str] = {
     "envoy-config": "cachepilot_extproc.cli:envoy_config_cmd",
     "up": "cachepilot_extproc.stack:up_cmd",
     "demo": "cachepilot_extproc.demo:demo_cmd",
+    "simulate": "cachepilot.sim.cli:simulate_cmd",
+    "experiment": "cachepilot.sim.cli:experiment_group",
     "explain": "cachepilot.record.cli:explain_cmd",
     "replay": "cachepilot.record.cli:replay_cmd",
     "decisions": "cachepilot.record.cli:decisions_group",

@@ -1,0 +1,111 @@
+"""PNG plots of the studies (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def make_all(results: list[dict], extra: dict[str, Any], tables: dict[str, Any],
+             out: Path) -> dict[str, str]:
+    figs = {}
+    for wl in ("shared", "hotspot", "bursty"):
+        figs[f"ttft_{wl}"] = ttft_cdf(results, wl, out / f"ttft_{wl}.png")
+    figs["imbalance"] = imbalance(tables, out / "imbalance.png")
+    figs["weight_sweep"] = weight_sweep(extra["sweeps"], out / "weight_sweep.png")
+    figs["seed_vs_weight"] = seed_vs_weight(extra["seed_vs_weight"], out / "seed_vs_weight.png")
+    return figs
+
+
+def ttft_cdf(results: list[dict], workload: str, path: Path) -> str:
+    rows = [r for r in results if r["workload"] == workload]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    if rows:
+        for p, s in rows[0]["runs"].items():
+            if "ttft_sample" not in s:
+                continue
+            xs = np.sort(np.concatenate([r["runs"][p]["ttft_sample"] for r in rows]))
+            ax.plot(xs * 1000, np.linspace(0, 1, len(xs)), label=p,
+                    lw=2.2 if p in ("priced", "adaptive") else 1.2)
+        ideal = np.mean([r["ideal_p50_s"] for r in rows]) * 1000
+        ax.axvline(ideal, color="k", ls=":", lw=1, label=f"ideal median {ideal:.0f} ms")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT distribution per policy: {workload} (all seeds pooled)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def imbalance(tables: dict[str, Any], path: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, wl in zip(axes, ("shared", "hotspot"), strict=True):
+        t = tables.get(wl, {})
+        names = list(t)
+        for j, key in enumerate(("imbalance_assigned", "imbalance_busy")):
+            m = [t[p][key]["mean"] for p in names]
+            err = [[t[p][key]["mean"] - t[p][key]["lo"] for p in names],
+                   [t[p][key]["hi"] - t[p][key]["mean"] for p in names]]
+            ax.bar(np.arange(len(names)) + (j - 0.5) * 0.38, m, 0.38, yerr=err, capsize=2,
+                   label="assigned requests" if j == 0 else "busy time")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(names)), names, rotation=60, ha="right", fontsize=8)
+        ax.set_title(f"{wl}: max/mean across 3 workers (95% CI)")
+    axes[0].set_ylabel("imbalance")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def weight_sweep(sweeps: dict[str, Any], path: Path) -> str:
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(11, 4.5))
+    for ax, (regime, s) in zip(np.atleast_1d(axes), sweeps.items(), strict=True):
+        ws = [float(w) for w in s["curve"]]
+        xs = [max(w, 0.0625) for w in ws]  # 0 drawn at the left edge of the log axis
+        for q, color in (("p50", "C0"), ("p90", "C1")):
+            m = np.array([s["curve"][k][q]["mean"] for k in s["curve"]]) * 1000
+            lo = np.array([s["curve"][k][q]["lo"] for k in s["curve"]]) * 1000
+            hi = np.array([s["curve"][k][q]["hi"] for k in s["curve"]]) * 1000
+            ax.plot(xs, m, "o-", color=color, label=f"fixed weight, {q}")
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
+            a = s[f"adaptive_{q}"]["mean"] * 1000
+            ax.axhline(a, color=color, ls="--", label=f"adaptive, {q}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("load weight (0 drawn at 1/16)")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"{regime}: best fixed weight {s['best_weight']:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def seed_vs_weight(sv: dict[str, Any], path: Path) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(sv["effects_s"])
+    vals = [sv["effects_s"][k] * 1000 for k in names]
+    ax.bar(names, vals, color="C2", label="|Δ mean median TTFT| from the weight change")
+    ax.axhline(sv["seed_sd_s"] * 1000, color="C3", ls="--",
+               label="seed-to-seed SD of median TTFT (default weights)")
+    ax.set_ylabel("ms")
+    ax.set_title(f"Seed variance vs weight changes ({sv['workload']} workload, priced)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
