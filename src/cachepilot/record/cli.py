@@ -15,10 +15,14 @@ LOG_ENV = "CACHEPILOT_DECISION_LOG"
 
 
 def _open(path: str) -> Store:
+    """Open a log for this command; a reader of our own is closed when the command ends."""
     try:
-        return open_log(path)
+        log = open_log(path)
     except (LogNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    if log.readonly:
+        click.get_current_context().call_on_close(log.close)
+    return log
 
 
 def _json(obj: Any) -> None:
