@@ -19,7 +19,7 @@ class GatewayMetrics:
                                           "Time to fingerprint, score and pick",
                                           ["pool"], buckets=_LATENCY_BUCKETS, registry=r)
         self.predicted_hits = Counter("cachepilot_predicted_hits",
-                                      "Decisions whose chosen worker was predicted to hold a prefix",
+                                      "Decisions predicted to hit a cached prefix",
                                       ["pool"], registry=r)
         self.hit_outcomes = Counter("cachepilot_hit_outcomes",
                                     "Predicted vs measured cache hits (from the worker's usage)",

@@ -14,9 +14,12 @@ import aiohttp
 import numpy as np
 import orjson
 
-_WORDS = ("the of and to in is for on with as by at from that this be are it an or was "
-          "kernel cache block prefix token batch queue worker model prompt latency envoy route "
-          "pool decode prefill memory schedule request response stream gateway system").split()
+_WORDS = (
+    "the", "of", "and", "to", "in", "is", "for", "on", "with", "as", "by", "at", "from", "that",
+    "this", "be", "are", "it", "an", "or", "was", "kernel", "cache", "block", "prefix", "token",
+    "batch", "queue", "worker", "model", "prompt", "latency", "envoy", "route", "pool", "decode",
+    "prefill", "memory", "schedule", "request", "response", "stream", "gateway", "system",
+)
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
                     details = usage.get("prompt_tokens_details") or {}
                     res.cached_tokens = details.get("cached_tokens") or 0
             return res
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return Result(ok=False, status=0, error=f"{type(exc).__name__}: {exc}")
 
 

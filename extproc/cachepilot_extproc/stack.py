@@ -151,7 +151,8 @@ class LocalStack:
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout_s}s: {pending} (logs: {self.log_dir})")
+                raise TimeoutError(f"not ready after {timeout_s}s: {pending} "
+                                   f"(logs: {self.log_dir})")
             time.sleep(0.1)
 
     def _all_scraped(self) -> bool:

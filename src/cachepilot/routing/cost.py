@@ -29,6 +29,9 @@ class CostModel:
     stale_after_s: float = 5.0
     # Requests waiting on one worker beyond which it takes no more (→ 429 when all are full).
     admission_limit: int = 128
+    # The engine's batch size (vLLM's max_num_seqs); 0: learn it from scrapes that show a
+    # queue. Requests sent since the last scrape fill the batch first, then queue.
+    max_batch: int = 0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -61,14 +64,18 @@ class Load:
 
 
 def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
-    """The scraped queue; missing or stale metrics → saturated, never idle (an unobserved
-    worker is the one most likely to be in trouble)."""
+    """The scraped queue plus requests this router sent that the scrape has not seen yet;
+    missing or stale metrics → saturated, never idle (an unobserved worker is the one most
+    likely to be in trouble)."""
     m: WorkerMetrics | None = worker.metrics
     age = worker.metrics_age(now)
     if m is None or age is None or age > cost.stale_after_s:
         return Load(waiting=max(cost.admission_limit, worker.inflight), running=0,
                     kv_usage=1.0, stale=True, age_s=age)
-    return Load(waiting=m.waiting, running=m.running,
+    unseen = max(0, worker.inflight - (m.waiting + m.running))
+    cap = cost.max_batch or worker.batch_cap_seen
+    joined = unseen if not cap else min(unseen, max(0, cap - m.running))
+    return Load(waiting=m.waiting + unseen - joined, running=m.running + joined,
                 kv_usage=m.kv_usage if m.kv_usage is not None else 0.0, stale=False, age_s=age)
 
 

@@ -80,6 +80,8 @@ class Pool:
         if metrics is None:
             return
         w.metrics = metrics
+        if metrics.waiting > 0:
+            w.batch_cap_seen = max(w.batch_cap_seen, metrics.running)
         if metrics.num_blocks:
             engine_block = metrics.block_size or self.spec.block.block_size
             capacity = metrics.num_blocks * engine_block // self.spec.block.block_size

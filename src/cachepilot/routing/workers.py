@@ -32,6 +32,8 @@ class WorkerState:
     # prefill work ahead of a newcomer that no scrape has seen yet.
     pending_prefill_tokens: int = 0
     assigned: int = 0
+    # Largest running count seen while requests waited: the engine's batch size, learned.
+    batch_cap_seen: int = 0
     scrape_error: str | None = None
     # Online calibration (cachepilot.calibration) may set per-worker cost parameters.
     prefill_ms_per_token: float | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import click
 import orjson
@@ -24,7 +24,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40,
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     model: str = "sim-llama-8b"
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = field(default_factory=EngineConfig)
     chars_per_token: float = 4.0
     speed: float = 1.0  # model seconds per wall second
     default_max_tokens: int = 16

