@@ -43,6 +43,8 @@ def summarize(run: RunResult, ideal: np.ndarray | None = None) -> dict[str, Any]
         "imbalance_assigned": ratio(assigned),
         "imbalance_busy": ratio(busy),
         "utilization": {a: round(w["utilization"], 4) for a, w in workers.items()},
+        "max_waiting_scraped": int(max((w["max_waiting_scraped"] for w in workers.values()),
+                                       default=0)),
         "makespan_s": makespan,
         "wall_s": run.wall_s,
         "sim_rps": len(outs) / run.wall_s if run.wall_s > 0 else float("nan"),

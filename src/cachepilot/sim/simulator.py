@@ -80,6 +80,7 @@ class _Worker:
     engine: Engine
     busy: bool = False
     assigned: int = 0
+    max_waiting: int = 0  # largest queue any scrape saw
 
 
 @dataclass(slots=True)
@@ -139,6 +140,8 @@ class Simulator:
         ecfg = self.cfg.engine
         for addr, w in self.workers.items():
             e = w.engine
+            if len(e.waiting) > w.max_waiting:
+                w.max_waiting = len(e.waiting)
             self.pool.update_metrics(addr, WorkerMetrics(
                 waiting=len(e.waiting), running=e.running, kv_usage=e.kv_usage(),
                 block_size=ecfg.block_size, num_blocks=ecfg.num_blocks,
@@ -261,6 +264,7 @@ class Simulator:
                 "evictions": s.evictions, "prefix_queries": s.prefix_queries,
                 "prefix_hits": s.prefix_hits, "completed": s.completed,
                 "directory_evictions": self.pool.directory.stats()[addr]["evictions"],
+                "max_waiting_scraped": w.max_waiting,
             }
         return out
 

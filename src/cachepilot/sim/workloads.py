@@ -136,12 +136,21 @@ class Workload:
         if not reqs:
             return {"requests": 0}
         span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
+        seen: set[int] = set()
+        repeated: set[int] = set()
+        for r in reqs:
+            for h in r.fp.hashes:
+                if h in seen:
+                    repeated.add(h)
+                else:
+                    seen.add(h)
         return {
             "requests": len(reqs),
             "rate": len(reqs) / span if span > 0 else float("nan"),
             "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in reqs])),
             "mean_output_tokens": float(np.mean([r.max_tokens for r in reqs])),
-            "distinct_blocks": len({h for r in reqs for h in r.fp.hashes}),
+            "distinct_blocks": len(seen),
+            "shared_blocks": len(repeated),  # blocks that occur in more than one request
             "total_blocks": sum(r.fp.blocks for r in reqs),
         }
 

@@ -1,0 +1,179 @@
+"""Policies in the simulator: locality vs balance, peer models, the adaptive load weight,
+and the study plumbing."""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+import pytest
+from click.testing import CliRunner
+
+from cachepilot.routing import Weights
+from cachepilot.routing.decision import Candidate, Decision
+from cachepilot.routing.policies import POLICIES, Context
+from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
+from cachepilot.sim.measures import summarize
+from cachepilot.sim.policies import (
+    PEERS,
+    AdaptivePriced,
+    DynamoKV,
+    GIEDefault,
+    KubeAICHWBL,
+    PowerOfTwo,
+    SGLangCacheAware,
+)
+
+
+def ctx(tokens=320, seq=0):
+    return Context(seq=seq, tokens=tokens, weights=Weights())
+
+
+def cand(worker, matched_blocks=0, waiting=0, inflight=0, kv=0.0, queue_ms=0.0):
+    return Candidate(worker=worker, matched_blocks=matched_blocks,
+                     matched_tokens=matched_blocks * 16, waiting=waiting, inflight=inflight,
+                     kv_usage=kv, queue_ms=queue_ms, saved_ms=matched_blocks * 16 * 0.08)
+
+
+@pytest.fixture(scope="module")
+def hotspot():
+    return generate(WorkloadSpec("hotspot", duration=20), 2)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return generate(WorkloadSpec("shared_prefix", duration=20, groups=96), 2)
+
+
+def test_overlap_only_collapses_onto_one_worker_priced_does_not(hotspot):
+    ov = summarize(simulate(hotspot, SimConfig(policy="overlap_only")))
+    pr = summarize(simulate(hotspot, SimConfig(policy="priced")))
+    assert ov["imbalance_assigned"] > 2.5
+    assert pr["imbalance_assigned"] < 1.3
+    assert ov["ttft_p50_s"] > 5 * pr["ttft_p50_s"]
+
+
+def test_priced_beats_round_robin_on_shared_prefixes(shared):
+    rr = summarize(simulate(shared, SimConfig(policy="round_robin")))
+    pr = summarize(simulate(shared, SimConfig(policy="priced")))
+    assert pr["token_hit_rate"] > rr["token_hit_rate"] + 0.1
+    assert pr["ttft_mean_s"] < 0.7 * rr["ttft_mean_s"]
+    assert pr["evictions"] < rr["evictions"]
+
+
+@pytest.mark.parametrize("cls", PEERS, ids=lambda c: c.name)
+def test_peer_policies_complete_every_request_and_use_the_cache(cls, shared):
+    assert cls.name in POLICIES
+    s = summarize(simulate(shared, SimConfig(policy=cls.name)))
+    assert s["completed"] == s["requests"] and s["rejected"] == 0
+    assert s["imbalance_assigned"] < 2.0
+    if cls is not PowerOfTwo:  # the only peer blind to caches
+        rr = summarize(simulate(shared, SimConfig(policy="round_robin")))
+        assert s["token_hit_rate"] > rr["token_hit_rate"]
+
+
+class _Req:
+    def __init__(self, hashes, user_start=0, tokens=None):
+        from cachepilot.routing import Fingerprint
+
+        self.fp = Fingerprint(tuple(hashes), tokens or 16 * len(hashes), 16)
+        self.user_start = user_start
+
+
+class _Pool:
+    workers: ClassVar[dict] = {"a": None, "b": None, "c": None}
+
+
+def test_sglang_follows_the_tree_when_balanced_and_the_load_when_not():
+    p = SGLangCacheAware()
+    d = Decision("x", 0, "p", "m", "sglang", {}, 0, 64, 16, (1, 2, 3, 4), [], "b", 0, "")
+    p.after_route(d, _Req([1, 2, 3, 4]))
+    p.before_route(_Pool, _Req([1, 2, 3, 9]), 0)
+    cs = [cand("a", inflight=3), cand("b", inflight=10), cand("c", inflight=0)]
+    assert p.values(cs, ctx(64)) == [0.0, 1.0, 0.0]  # 3/4 match > 0.3 → b, despite load
+    cs = [cand("a", inflight=3), cand("b", inflight=100), cand("c", inflight=0)]
+    assert p.values(cs, ctx(64)) == [0.0, 0.0, 1.0]  # 100-0 > 64 and 100 > 1.5·0 → least
+    p.before_route(_Pool, _Req([7, 8, 9, 10]), 0)  # no match: smallest tree (a or c)
+    v = p.values([cand("a"), cand("b"), cand("c")], ctx(64))
+    assert v[1] == 0.0 and v[0] == v[2] == 1.0
+
+
+def test_chwbl_is_sticky_and_bounded():
+    p = KubeAICHWBL()
+    p.before_route(_Pool, _Req([11, 12, 13]), 0)
+    even = [cand(w, inflight=2) for w in "abc"]
+    first = p.values(even, ctx()).index(1.0)
+    assert all(p.values(even, ctx()).index(1.0) == first for _ in range(3))
+    loaded = [cand(w, inflight=(20 if i == first else 2)) for i, w in enumerate("abc")]
+    v = p.values(loaded, ctx())
+    assert v[first] == 0.0 and sum(v) == 1.0  # over 1.25 × mean: moves on along the ring
+
+
+def test_power_of_two_picks_the_lighter_of_two():
+    p = PowerOfTwo()
+    cs = [cand("a", inflight=5), cand("b", inflight=1), cand("c", inflight=9)]
+    picks: dict[int, int] = {}
+    for seq in range(300):
+        i = p.values(cs, ctx(seq=seq)).index(1.0)
+        picks[i] = picks.get(i, 0) + 1
+    assert 2 not in picks  # the heaviest never wins a pair
+    assert picks[1] > picks[0]
+
+
+def test_dynamo_cost_and_gie_scores():
+    d = DynamoKV()
+    v = d.values([cand("a", matched_blocks=10), cand("b")], ctx(320))
+    assert v[0] == pytest.approx(-(10 + 20)) and v[1] == pytest.approx(-(20 + 20))
+    g = GIEDefault()
+    v = g.values([cand("a", matched_blocks=20, waiting=4, kv=0.5),
+                  cand("b", waiting=0, kv=0.0)], ctx(320))
+    assert v[0] == pytest.approx(2 * 0 + 2 * 0.5 + 3 * 1.0)
+    assert v[1] == pytest.approx(2 * 1 + 2 * 1.0 + 3 * 0.0)
+
+
+def test_adaptive_weight_fits_the_queue_slope():
+    p = AdaptivePriced()
+    for q in (100.0, 200.0, 400.0) * 30:
+        c = cand("a", queue_ms=q)
+        c.prefill_ms = 50.0
+        d = Decision("x", 0, "p", "m", "adaptive", {}, 0, 64, 16, (), [c], "a", 0, "")
+        p.observe(d, 15.0 + 50.0 + 2.5 * q)  # queues cost 2.5× what the model says
+    assert p.load_weight == pytest.approx(2.5, rel=1e-6)
+
+
+def test_adaptive_weight_moves_in_a_run(hotspot):
+    run = simulate(hotspot, SimConfig(policy="adaptive"))
+    ws = [w for _, w in run.router_weights]
+    assert ws[0] == 1.0 and len(set(ws)) > 10
+    assert abs(ws[-1] - 1.0) > 0.05
+
+
+def test_simulate_cli_json():
+    from cachepilot.sim.cli import simulate_cmd
+
+    res = CliRunner().invoke(simulate_cmd, ["--policy", "kubeai_chwbl", "--workload", "hotspot",
+                                            "--duration", "5", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["completed"] == data["requests"] > 50
+    bad = CliRunner().invoke(simulate_cmd, ["--policy", "nope"])
+    assert bad.exit_code != 0 and "unknown policy" in bad.output
+
+
+def test_claims_are_computed_from_the_runs(monkeypatch, tmp_path):
+    """A two-seed study on shortened workloads produces every claim from measured values."""
+    from cachepilot.sim import experiments as ex
+
+    short = {k: v.with_(duration=v.duration / 6) for k, v in ex.WORKLOADS.items()}
+    monkeypatch.setattr(ex, "WORKLOADS", short)
+    data = ex.run_all(2, processes=1)
+    claims, _ = ex.write_outputs(data, tmp_path)
+    ids = {c.id for c in claims}
+    assert {"1a", "1b", "1c", "2a", "2b", "3", "4", "5-bursty", "5-hotspot",
+            "adaptive-bursty", "adaptive-hotspot"} <= ids
+    two_a = next(c for c in claims if c.id == "2a")
+    assert len(two_a.values) == 2 and two_a.stats["mean"] > 2.5
+    assert (tmp_path / "report.md").read_text().count("|") > 50
+    for f in ("results.json", "weight_sweep.png", "imbalance.png", "ttft_hotspot.png",
+              "seed_vs_weight.png"):
+        assert (tmp_path / f).stat().st_size > 1000
