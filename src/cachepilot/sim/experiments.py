@@ -283,6 +283,18 @@ def build_claims(results: list[dict]) -> tuple[list[Claim], dict[str, Any]]:
     extra["sweeps"] = sweeps
     b, h = sweeps["bursty"]["best_weight"], sweeps["hotspot"]["best_weight"]
     extra["best_weight_flipped"] = b != h
+    # Which fixed weights are near-best (within 5%, the adaptive goal) in each regime, and
+    # would one fixed weight have done in both?
+    near = {}
+    for regime, s in sweeps.items():
+        best = s["curve"][str(s["best_weight"])]["p50"]["mean"]
+        near[regime] = [w for w in LOAD_WEIGHTS
+                        if s["curve"][str(w)]["p50"]["mean"] <= 1.05 * best]
+    both = sorted(set(near["bursty"]) & set(near["hotspot"]))
+    extra["near_best_weights"] = near
+    extra["fixed_weights_good_in_both"] = both
+    for regime in sweeps:
+        sweeps[regime]["near_best"] = near[regime]
     for c in claims:
         c.judge()
     for c in claims:
@@ -291,6 +303,10 @@ def build_claims(results: list[dict]) -> tuple[list[Claim], dict[str, Any]]:
         if c.id.startswith("5-"):
             c.verdict = (f"best weight differs between regimes ({b:g} vs {h:g})" if b != h
                          else f"same best weight in both regimes ({b:g})")
+            regime = c.id[2:]
+            c.note += (f" Within 5% of the best here: {', '.join(f'{w:g}' for w in near[regime])};"
+                       " fixed weights within 5% in both regimes: "
+                       + (", ".join(f"{w:g}" for w in both) if both else "none") + ".")
         if c.id == "4":
             c.verdict = ("reproduced (seed dominates most changes)" if smaller >= 4 else
                          "not reproduced (weights matter more than seeds)")
