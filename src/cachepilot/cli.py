@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "envoy-config": "cachepilot_extproc.cli:envoy_config_cmd",
     "up": "cachepilot_extproc.stack:up_cmd",
     "demo": "cachepilot_extproc.demo:demo_cmd",
+    "real-model": "cachepilot_extproc.llamacpp:real_model_cmd",  # until experiment has it
     "simulate": "cachepilot.sim.cli:simulate_cmd",
     "experiment": "cachepilot.sim.cli:experiment_group",
     "explain": "cachepilot.record.cli:explain_cmd",

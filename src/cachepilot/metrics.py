@@ -35,11 +35,14 @@ _NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "waiting": ("llamacpp:requests_deferred",),
         "running": ("llamacpp:requests_processing",),
         "kv": (),
+        # prompt_tokens_total counts processed (uncached) tokens only: queries add the hits.
         "queries": ("llamacpp:prompt_tokens_total",),
         "hits": ("llamacpp:prompt_tokens_cached_total",),
     },
 }
 _NAMES["sim"] = _NAMES["vllm"]  # the simulated worker speaks vLLM's names
+# Engines whose "queries" counter excludes cached tokens (checked on llama-server's /metrics).
+_QUERIES_EXCLUDE_HITS = frozenset({"llamacpp"})
 
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -73,6 +76,10 @@ def parse_metrics(text: str, engine: str, scraped_at: float) -> WorkerMetrics:
     if waiting is None or running is None:
         raise ValueError(f"{engine} metrics lack {names['waiting'][0]} or {names['running'][0]}")
     kv = _first(samples, names["kv"])
+    queries = _first(samples, names["queries"])
+    hits = _first(samples, names["hits"])
+    if queries is not None and engine in _QUERIES_EXCLUDE_HITS:
+        queries += hits or 0.0
     block_size = num_blocks = None
     for labels, _ in samples.get("vllm:cache_config_info", []):
         block_size = _int(labels.get("block_size"))
@@ -81,8 +88,7 @@ def parse_metrics(text: str, engine: str, scraped_at: float) -> WorkerMetrics:
         waiting=int(waiting), running=int(running),
         kv_usage=None if kv is None else min(max(kv, 0.0), 1.0),
         block_size=block_size, num_blocks=num_blocks,
-        prefix_queries=_first(samples, names["queries"]),
-        prefix_hits=_first(samples, names["hits"]),
+        prefix_queries=queries, prefix_hits=hits,
         scraped_at=scraped_at,
     )
 

