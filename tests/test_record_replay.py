@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cachepilot.cli import main
 from cachepilot.record import Recorder, open_log
-from cachepilot.record.explain import plain_reason
+from cachepilot.record.explain import plain_reason, summary
 from cachepilot.record.replay import parse_weights, redecide, replay, replay_policy, reprice
 from cachepilot.record.schema import record_to_candidates
 from cachepilot.record.stats import summarize
@@ -177,6 +177,9 @@ def test_explain_is_deterministic_and_complete(logs: dict[str, Path]) -> None:
     assert f"by {rec['margin_ms']:.1f} over" in a.output
     assert f"measured {rec['outcome']['ttft_ms']:.1f} ms" in a.output
     assert f"why: {plain_reason(rec)}" in " ".join(a.output.split())
+    s = summary(rec)
+    assert s["chosen"] == rec["chosen"] and s["reason"] == plain_reason(rec)
+    assert s["measured_ttft_ms"] == rec["outcome"]["ttft_ms"] and s["runner_up"] != rec["chosen"]
     last = runner.invoke(main, ["explain", "last", "--log", str(logs["priced"])])
     assert recs[-1]["chosen"] in last.output
     missing = runner.invoke(main, ["explain", "zzz", "--log", str(logs["priced"])])

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from cachepilot.record import NullRecorder, Recorder, open_log, open_recorder
 from cachepilot.record.schema import (
@@ -216,6 +216,20 @@ def test_normal_load_drops_nothing(tmp_path: Path) -> None:
             assert rec.decision(d, pool)
             assert rec.outcome(d.id, status=200, ttft_ms=20.0, first_byte="stream")
     assert rec.dropped == {} and rec.written == {"decision": 3000, "outcome": 3000}
+
+
+def test_metrics_go_to_the_given_registry(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    router, pool = make_router()
+    with Recorder(tmp_path / "log", registry=registry) as rec:
+        for d in route(router, 5):
+            rec.decision(d, pool)
+    assert registry.get_sample_value("cachepilot_decision_records_written_total",
+                                     {"kind": "decision"}) == 5
+    with Recorder(tmp_path / "log2", registry=registry) as rec:  # a second one shares them
+        rec.outcome("missing", status=500)
+    assert registry.get_sample_value("cachepilot_decision_records_dropped_total",
+                                     {"kind": "outcome", "reason": "no_decision"}) == 1
 
 
 def test_orphan_outcome_is_counted(tmp_path: Path) -> None:

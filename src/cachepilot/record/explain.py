@@ -169,3 +169,19 @@ def render(record: Mapping[str, Any], console: Console) -> None:
     console.print(f"why: {plain_reason(record)}")
     if record.get("extra"):
         console.print(f"extra: {record['extra']}")
+
+
+def summary(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The explanation as JSON (the gateway's admin API serves this beside the record)."""
+    r = runner_up(record)
+    out = record.get("outcome") or {}
+    return {
+        "id": record["id"], "policy": record["policy"], "chosen": record["chosen"],
+        "runner_up": r["worker"] if r is not None else None, "margin_ms": record["margin_ms"],
+        "predicted_ttft_ms": record.get("predicted_ttft_ms"),
+        "measured_ttft_ms": out.get("ttft_ms"), "first_byte": out.get("first_byte"),
+        "predicted_hit": record.get("predicted_hit"),
+        "predicted_cached_tokens": record.get("predicted_cached_tokens"),
+        "reported_cached_tokens": out.get("cached_tokens"),
+        "reason": plain_reason(record), "router_reason": record.get("reason"),
+    }

@@ -6,8 +6,7 @@ is full the item is dropped, counted in ``cachepilot_decision_records_dropped_to
 logged (first drop, then at most every 10 s). Under normal load nothing is dropped: one
 transaction writes hundreds of records in a few ms.
 
-The recorder also feeds the gateway's prediction metrics as outcomes arrive: the TTFT
-prediction error and a predicted-vs-measured prefix hit matrix.
+Metrics go to the default registry unless a ``registry`` is given (the gateway's own).
 """
 
 from __future__ import annotations
@@ -18,11 +17,10 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, Summary
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from cachepilot.record.schema import (
     OUTCOME_FIELDS,
@@ -41,21 +39,34 @@ from cachepilot.routing.decision import Decision
 
 log = logging.getLogger("cachepilot.record")
 
-RECORDS_WRITTEN = Counter("cachepilot_decision_records_written",
-                          "Decision records and outcomes committed to the decision log",
-                          ["kind"])
-RECORDS_DROPPED = Counter("cachepilot_decision_records_dropped",
-                          "Decision records or outcomes not written, by reason "
-                          "(queue_full: the writer could not keep up)", ["kind", "reason"])
-QUEUE_DEPTH = Gauge("cachepilot_decision_record_queue", "Items waiting for the log writer")
-TTFT_ERROR = Histogram("cachepilot_ttft_prediction_abs_error_ms",
-                       "|measured − predicted| time to first token of streamed requests, ms",
-                       buckets=(5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000))
-TTFT_SIGNED = Summary("cachepilot_ttft_prediction_error_ms",
-                      "measured − predicted TTFT of streamed requests, ms (sum/count = bias)")
-HIT_PREDICTIONS = Counter("cachepilot_prefix_hit_predictions",
-                          "Routed requests by predicted and measured (worker-reported) "
-                          "prefix cache hit", ["predicted", "measured"])
+
+class RecorderMetrics:
+    """The recorder's Prometheus metrics, once per registry (the gateway passes its own)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.written = Counter("cachepilot_decision_records_written",
+                               "Decision records and outcomes committed to the decision log",
+                               ["kind"], registry=registry)
+        self.dropped = Counter("cachepilot_decision_records_dropped",
+                               "Decision records or outcomes not written, by reason "
+                               "(queue_full: the writer could not keep up)", ["kind", "reason"],
+                               registry=registry)
+        self.queue = Gauge("cachepilot_decision_record_queue",
+                           "Items waiting for the decision log writer", registry=registry)
+
+
+_METRICS: dict[int, tuple[CollectorRegistry, RecorderMetrics]] = {}
+_METRICS_LOCK = threading.Lock()
+
+
+def recorder_metrics(registry: CollectorRegistry | None = None) -> RecorderMetrics:
+    registry = REGISTRY if registry is None else registry
+    with _METRICS_LOCK:
+        hit = _METRICS.get(id(registry))
+        if hit is None or hit[0] is not registry:
+            hit = _METRICS[id(registry)] = (registry, RecorderMetrics(registry))
+        return hit[1]
+
 
 _STOP = object()
 # first_byte kinds whose ttft_ms is a real time to first token
@@ -72,7 +83,8 @@ class Recorder:
     def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_age_s: float | None = DEFAULT_MAX_AGE_S, queue_size: int = 8192,
                  batch_size: int = 512, durable: bool = True, capture_prompts: bool = False,
-                 source: str = "gateway", retention_interval_s: float = 1.0) -> None:
+                 source: str = "gateway", retention_interval_s: float = 1.0,
+                 registry: CollectorRegistry | None = None) -> None:
         self.store = Store(path, max_bytes=max_bytes, max_age_s=max_age_s, durable=durable)
         self.path = self.store.path
         self.capture_prompts = capture_prompts
@@ -86,9 +98,7 @@ class Recorder:
         self._last_drop_log = 0.0
         self._drops_since_log = 0
         self._cost_cache: tuple[Any, dict[str, Any]] | None = None
-        # Predictions of decisions awaiting their outcome, for the gateway metrics.
-        self._predicted: OrderedDict[str, tuple[float, bool]] = OrderedDict()
-        self._predicted_max = max(4 * queue_size, 1024)
+        self.metrics = recorder_metrics(registry)
         self._lock = threading.Lock()
         if capture_prompts:
             log.warning("decision log %s: prompt capture is ON: raw prompt text is stored "
@@ -110,13 +120,6 @@ class Recorder:
         if pool is not None:
             params = worker_params(decision, pool)
             cost = self._cost_dict(pool.spec.cost)
-        winner = next((c for c in decision.candidates if c.worker == decision.chosen), None)
-        if winner is not None:
-            with self._lock:
-                self._predicted[decision.id] = (winner.predicted_ttft_ms,
-                                                winner.matched_blocks > 0)
-                while len(self._predicted) > self._predicted_max:
-                    self._predicted.popitem(last=False)
         item = ("decision", decision, params, cost,
                 prompt if self.capture_prompts else None, time.time())
         return self._put(item, "decision")
@@ -126,7 +129,6 @@ class Recorder:
         | "sim"), cached_tokens, prompt_tokens, completion_tokens, completed_at, error.
         Reports for one id merge. Returns False if it was dropped."""
         clean = clean_outcome(fields)
-        self._observe(decision_id, clean)
         if self._closed:
             return self._drop("outcome", "closed")
         return self._put(("outcome", decision_id, clean), "outcome")
@@ -145,24 +147,6 @@ class Recorder:
             fields.setdefault("first_byte", "sim")
             self.outcome(decision.id, **fields)
 
-    def _observe(self, decision_id: str, fields: Mapping[str, Any]) -> None:
-        with self._lock:
-            pred = self._predicted.get(decision_id)
-            done = "cached_tokens" in fields or "completed_at" in fields
-            if pred is not None and done:
-                self._predicted.pop(decision_id, None)
-        if pred is None:
-            return
-        predicted_ttft, predicted_hit = pred
-        ttft = fields.get("ttft_ms")
-        if ttft is not None and fields.get("first_byte") in TTFT_KINDS:
-            TTFT_ERROR.observe(abs(ttft - predicted_ttft))
-            TTFT_SIGNED.observe(ttft - predicted_ttft)
-        cached = fields.get("cached_tokens")
-        if cached is not None:
-            HIT_PREDICTIONS.labels(predicted="hit" if predicted_hit else "miss",
-                                   measured="hit" if cached > 0 else "miss").inc()
-
     def _cost_dict(self, cost: Any) -> dict[str, Any]:
         cached = self._cost_cache
         if cached is None or cached[0] is not cost:
@@ -177,7 +161,7 @@ class Recorder:
         return True
 
     def _drop(self, kind: str, reason: str) -> bool:
-        RECORDS_DROPPED.labels(kind=kind, reason=reason).inc()
+        self.metrics.dropped.labels(kind=kind, reason=reason).inc()
         key = f"{kind}:{reason}"
         with self._lock:
             self.dropped[key] = self.dropped.get(key, 0) + 1
@@ -205,7 +189,7 @@ class Recorder:
                     items.append(self._q.get_nowait())
                 except queue.Empty:
                     break
-            QUEUE_DEPTH.set(self._q.qsize())
+            self.metrics.queue.set(self._q.qsize())
             ops: list[tuple[str, Any]] = []
             events: list[threading.Event] = []
             for item in items:
@@ -245,8 +229,8 @@ class Recorder:
             return
         self.written["decision"] += res.decisions
         self.written["outcome"] += res.outcomes
-        RECORDS_WRITTEN.labels(kind="decision").inc(res.decisions)
-        RECORDS_WRITTEN.labels(kind="outcome").inc(res.outcomes)
+        self.metrics.written.labels(kind="decision").inc(res.decisions)
+        self.metrics.written.labels(kind="outcome").inc(res.outcomes)
         for _ in range(res.orphan_outcomes):
             self._drop("outcome", "no_decision")
 
