@@ -80,6 +80,27 @@ def test_record_roundtrip_and_outcome_merge(tmp_path: Path) -> None:
     log.close()
 
 
+def test_gateway_calls_as_made_by_the_ext_proc_processor(tmp_path: Path) -> None:
+    """The gateway's sink calls: decision(d) without a pool (found through the router),
+    outcome in the gateway's vocabulary (ttft_kind, aborted, None for unknowns)."""
+    from cachepilot.record.stats import summarize
+
+    router, pool = make_router()
+    d1, d2 = route(router, 2)
+    with Recorder(tmp_path / "log", router=router) as rec:
+        for d, kind in ((d1, "first_token"), (d2, "first_byte")):
+            rec.decision(d)
+            rec.outcome(d.id, status=200, aborted=False, ttft_ms=30.0, ttft_kind=kind,
+                        first_byte_ms=5.0, cached_tokens=None, completed_at=3.0)
+    log = open_log(tmp_path / "log")
+    r1, r2 = log.get(d1.id), log.get(d2.id)
+    assert r1["cost"] == pool.spec.cost.to_dict() and "params" in r1["candidates"][0]
+    assert r1["outcome"]["first_byte"] == "stream" and r2["outcome"]["first_byte"] == "body"
+    assert r1["outcome"]["aborted"] is False and "cached_tokens" not in r1["outcome"]
+    assert summarize(log)["ttft"]["n"] == 1  # only the streamed one is a real TTFT
+    log.close()
+
+
 def test_schema_version_checked() -> None:
     router, _ = make_router()
     rec = decision_to_record(route(router, 1)[0])

@@ -84,7 +84,7 @@ class Recorder:
                  max_age_s: float | None = DEFAULT_MAX_AGE_S, queue_size: int = 8192,
                  batch_size: int = 512, durable: bool = True, capture_prompts: bool = False,
                  source: str = "gateway", retention_interval_s: float = 1.0,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, router: Any = None) -> None:
         self.store = Store(path, max_bytes=max_bytes, max_age_s=max_age_s, durable=durable)
         self.path = self.store.path
         self.capture_prompts = capture_prompts
@@ -99,6 +99,7 @@ class Recorder:
         self._drops_since_log = 0
         self._cost_cache: tuple[Any, dict[str, Any]] | None = None
         self.metrics = recorder_metrics(registry)
+        self.router = router  # decision() without a pool looks the pool up here
         self._lock = threading.Lock()
         if capture_prompts:
             log.warning("decision log %s: prompt capture is ON: raw prompt text is stored "
@@ -111,11 +112,14 @@ class Recorder:
 
     # -- request path ---------------------------------------------------------------------
     def decision(self, decision: Decision, pool: Any = None, *, prompt: str | None = None) -> bool:
-        """Queue a decision. ``pool`` (the routing Pool) adds the cost model and each worker's
-        calibrated parameters so replay can re-price; ``prompt`` is kept only with capture
-        on. Returns False if it was dropped."""
+        """Queue a decision. ``pool`` (the routing Pool; by default the one of ``router`` given
+        at construction) adds the cost model and each worker's calibrated parameters so
+        replay can re-price; ``prompt`` is kept only with capture on. Returns False if it
+        was dropped."""
         if self._closed:
             return self._drop("decision", "closed")
+        if pool is None and self.router is not None:
+            pool = self.router.pools.get(decision.pool)
         params = cost = None
         if pool is not None:
             params = worker_params(decision, pool)
@@ -126,8 +130,10 @@ class Recorder:
 
     def outcome(self, decision_id: str, **fields: Any) -> bool:
         """Queue an outcome report: status, ttft_ms, first_byte ("stream" | "body" | "error"
-        | "sim"), cached_tokens, prompt_tokens, completion_tokens, completed_at, error.
-        Reports for one id merge. Returns False if it was dropped."""
+        | "sim") or the gateway's ttft_kind ("first_token" | "first_byte"), cached_tokens,
+        prompt_tokens, completion_tokens, completed_at, first_byte_ms, aborted, error. None
+        values are ignored; other keys are kept under ``extra``. Reports for one id merge.
+        Returns False if it was dropped."""
         clean = clean_outcome(fields)
         if self._closed:
             return self._drop("outcome", "closed")

@@ -32,7 +32,12 @@ OUTCOME_FIELDS: dict[str, type | tuple[type, ...]] = {
     "completion_tokens": int,
     "completed_at": (int, float),  # the caller's clock, like the decision's time
     "error": str,
+    "aborted": bool,  # the client or the stream went away before the end
+    "first_byte_ms": (int, float),  # request sent → response headers (streamed or not)
+    "ttft_kind": str,  # the gateway's name for it: "first_token" (streamed) or "first_byte"
 }
+# ttft_kind (the gateway's vocabulary) → first_byte kind, when first_byte is not given
+_TTFT_KIND = {"first_token": "stream", "first_byte": "body"}
 
 CANDIDATE_FIELDS = tuple(Candidate.__dataclass_fields__)
 
@@ -125,9 +130,11 @@ def clean_outcome(fields: Mapping[str, Any]) -> dict[str, Any]:
         if kind is None:
             extra[key] = value
             continue
-        if isinstance(value, bool) or not isinstance(value, kind):
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
             raise TypeError(f"outcome field {key!r} must be {kind}, got {value!r}")
         out[key] = value
+    if "ttft_kind" in out and "first_byte" not in out:
+        out["first_byte"] = _TTFT_KIND.get(out["ttft_kind"], out["ttft_kind"])
     if extra:
         out["extra"] = extra
     return out
