@@ -28,6 +28,10 @@ def _ours(stats: dict[str, float], unit: str) -> str:
     return f"{_fmt(stats['mean'], unit)} [{_fmt(stats['lo'], unit)}, {_fmt(stats['hi'], unit)}]"
 
 
+def _ms(stats: dict[str, float]) -> dict[str, float]:
+    return {k: (v * 1000 if k in ("mean", "lo", "hi", "sd") else v) for k, v in stats.items()}
+
+
 def _diff(c) -> str:
     m, o = c.stats.get("mean"), c.original
     if m is None or not math.isfinite(m) or not math.isfinite(o):
@@ -95,16 +99,18 @@ def render(claims, extra: dict[str, Any], tables: dict[str, Any], speed: dict[st
     L.append("|---|---|---|---|---|---|")
     for regime, s in extra["sweeps"].items():
         best = s["curve"][str(s["best_weight"])]["p50"]
-        L.append(f"| {regime} | {s['best_weight']:g} | {_ours(best, 's')} | "
-                 f"{_ours(s['adaptive_p50'], 's')} | {_ours(s['adaptive_over_best'], 'x')} | "
+        L.append(f"| {regime} | {s['best_weight']:g} | {_ours(_ms(best), 'ms')} | "
+                 f"{_ours(_ms(s['adaptive_p50']), 'ms')} | "
+                 f"{_ours(s['adaptive_over_best'], 'x')} | "
                  f"{_ours(s['adaptive_weight_final'], 'x')} |")
     L.append("")
     st = extra.get("staleness") or {}
     if st:
         L += ["## Stale metrics (priced, hotspot)", "",
-              "| scrape interval | p50 | p90 | imbalance |", "|---|---|---|---|"]
+              "| variant (default scrape 0.1 s) | p50 | p90 | imbalance |", "|---|---|---|---|"]
         for v, s in st.items():
-            L.append(f"| {v} | {_ours(s['ttft_p50_s'], 's')} | {_ours(s['ttft_p90_s'], 's')} | "
+            L.append(f"| {v} | {_ours(_ms(s['ttft_p50_s']), 'ms')} | "
+                     f"{_ours(_ms(s['ttft_p90_s']), 'ms')} | "
                      f"{_ours(s['imbalance_assigned'], 'x')} |")
         L.append("")
     L += ["## Plots", ""]
