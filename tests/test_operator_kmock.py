@@ -1,0 +1,440 @@
+"""The real kopf operator (run_operator) against KMock, a real HTTP Kubernetes API emulator.
+
+Each test starts ``run_operator`` on the test's event loop, drives the "cluster" through
+HTTP (so kopf's watch streams see every change) and checks the router, the status
+subresource and the Events. Worker metrics come from a scripted scraper with the same
+signature as ``cachepilot_extproc.scrape.scrape_once``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import kmock as K
+import kopf
+import pytest
+
+from cachepilot.routing import InferenceRequest, Router, RoutingError, WorkerMetrics
+from cachepilot_operator import OperatorOptions, run_operator
+from cachepilot_operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
+
+pytestmark = pytest.mark.timeout(60)
+
+NS = "serving"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+POOLS = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
+EVENTS = f"/api/v1/namespaces/{NS}/events"
+LEASES = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"
+
+FAST = OperatorOptions(status_min_interval_s=0.3, status_tick_s=0.05, lease_duration_s=1.5,
+                       lease_renew_deadline_s=1.0, lease_retry_period_s=0.1,
+                       api_backoffs=(0.05, 0.1, 0.2), watch_error_backoffs=(0.05, 0.1, 0.2),
+                       resync_period_s=0.5, restart_backoffs=(0.1,))
+
+
+class Scraper:
+    """Scripted metrics per URL; an Exception value makes that worker's scrape fail."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, Any] | Exception] = {}
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.engines: set[str] = set()
+
+    async def __call__(self, session: aiohttp.ClientSession, url: str, engine: str,
+                       timeout_s: float, now: Callable[[], float]) -> WorkerMetrics:
+        self.calls[url] += 1
+        self.engines.add(engine)
+        value = self.values.get(url, {"waiting": 0, "running": 1, "kv_usage": 0.25})
+        if isinstance(value, Exception):
+            raise value
+        return WorkerMetrics(scraped_at=now(), **value)
+
+
+def pod(name: str, ip: str, labels: dict[str, str] | None = None, *, ready: bool = True,
+        port: int = 8000, port_name: str = "http") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}",
+                     "labels": {"app": "llm"} if labels is None else labels},
+        "spec": {"containers": [{"name": "engine", "image": "x",
+                                 "ports": [{"name": port_name, "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": ip,
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def pool(name: str, **spec: Any) -> dict[str, Any]:
+    body = {"selector": {"matchLabels": {"app": "llm"}}, "port": "http", "models": ["m1"],
+            "scrape": {"intervalSeconds": 0.05, "engine": "sim"}}
+    body.update(spec)
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
+            "spec": body}
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
+    """Poll ``check`` until it returns something truthy without raising."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+            error: Exception | None = None
+        except (AssertionError, KeyError, IndexError, TypeError) as e:
+            error = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met in {timeout}s: {error!r}")
+        await asyncio.sleep(0.02)
+
+
+class Cluster:
+    def __init__(self, kmock: K.KubernetesEmulator, http: aiohttp.ClientSession) -> None:
+        self.kmock, self.http = kmock, http
+        self.url = str(kmock.url).rstrip("/")
+
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        async with self.http.request(method, self.url + path, json=body) as r:
+            assert r.status < 300, (method, path, r.status, await r.text())
+            return await r.json(content_type=None)
+
+    async def create(self, path: str, body: dict[str, Any]) -> None:
+        await self.call("POST", path, body)
+
+    async def patch(self, path: str, body: dict[str, Any]) -> None:
+        await self.call("PATCH", path, body)
+
+    async def delete(self, path: str) -> None:
+        await self.call("DELETE", path)
+
+    def obj(self, resource: str, name: str) -> dict[str, Any]:
+        return self.kmock.objects[resource, NS, name].raw
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.obj(f"{GROUP}/{VERSION}/{PLURAL}", name).get("status") or {}
+
+    def condition(self, name: str, type_: str = "Ready") -> dict[str, Any]:
+        return next(c for c in self.status(name)["conditions"] if c["type"] == type_)
+
+    def requests(self, method: str, path_prefix: str) -> list[Any]:
+        return [r for r in self.kmock if r.method.value == method
+                and r.url.path.startswith(path_prefix)]
+
+    def events(self, reason: str | None = None) -> list[dict[str, Any]]:
+        out = {r.data["metadata"]["name"]: r.data for r in self.requests("POST", EVENTS)}
+        return [e for e in out.values() if reason is None or e["reason"] == reason]
+
+
+@pytest.fixture
+async def cluster(kmock: K.KubernetesEmulator) -> AsyncIterator[Cluster]:
+    kmock.resources.load_bundled()
+    kmock.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = K.ResourceInfo(
+        kind=KIND, namespaced=True, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"})
+    async with aiohttp.ClientSession() as http:
+        yield Cluster(kmock, http)
+
+
+class Operator:
+    """One gateway replica's operator: its own router, running until stopped."""
+
+    def __init__(self, cluster: Cluster, scraper: Scraper, identity: str,
+                 options: OperatorOptions = FAST) -> None:
+        self.router = Router()
+        self.stop, self.ready = asyncio.Event(), asyncio.Event()
+        login = lambda: kopf.ConnectionInfo(server=cluster.url)  # noqa: E731
+        self.task = asyncio.create_task(run_operator(
+            self.router, namespace=NS, stop_flag=self.stop, ready_flag=self.ready,
+            identity=identity, login=login, scrape=scraper, options=options))
+
+    async def __aenter__(self) -> Operator:
+        await asyncio.wait_for(self.ready.wait(), 10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, 10)
+
+    def workers(self, pool_name: str = "p") -> dict[str, bool]:
+        return {a: w.ready for a, w in self.router.pools[pool_name].workers.items()}
+
+    def route(self, n: int, model: str = "m1") -> collections.Counter[str]:
+        out: collections.Counter[str] = collections.Counter()
+        for i in range(n):
+            d = self.router.route(InferenceRequest(model=model, prompt=f"q{i} " * 50),
+                                  time.monotonic())
+            self.router.release(d)
+            out[d.chosen] += 1
+        return out
+
+
+async def three_pods(c: Cluster) -> None:
+    for i in (1, 2, 3):
+        await c.create(PODS, pod(f"w{i}", f"10.0.0.{i}"))
+
+
+async def test_ready_pods_become_workers_and_scrapes_reach_the_router(cluster: Cluster) -> None:
+    scraper = Scraper()
+    scraper.values["http://10.0.0.2:8000/metrics"] = {"waiting": 7, "running": 3,
+                                                       "kv_usage": 0.5}
+    await three_pods(cluster)
+    await cluster.create(PODS, pod("w4", "10.0.0.4", ready=False))
+    await cluster.create(PODS, pod("other", "10.0.0.9", labels={"app": "web"}))
+    async with Operator(cluster, scraper, "gw-0") as op:
+        await cluster.create(POOLS, pool("p"))
+        await eventually(lambda: op.workers() == {"10.0.0.1:8000": True, "10.0.0.2:8000": True,
+                                                  "10.0.0.3:8000": True,
+                                                  "10.0.0.4:8000": False})
+        w2 = await eventually(lambda: op.router.pools["p"].workers["10.0.0.2:8000"].metrics)
+        assert (w2.waiting, w2.running, w2.kv_usage) == (7, 3, 0.5)
+        assert scraper.engines == {"sim"}
+        assert "http://10.0.0.4:8000/metrics" not in scraper.calls  # not ready: not scraped
+        await eventually(lambda: all(w.metrics for a, w in op.router.pools["p"].workers.items()
+                                     if w.ready))
+        # The pool's spec reaches the router, and only ready workers get requests.
+        assert op.router.pools["p"].spec.models == ("m1",)
+        assert set(op.route(30)) <= {"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+        # A pod that turns ready joins; a pod added later joins too.
+        await cluster.patch(f"{PODS}/w4", {"status": {"conditions": [
+            {"type": "Ready", "status": "True"}]}})
+        await cluster.create(PODS, pod("w5", "10.0.0.5"))
+        await eventually(lambda: op.workers()["10.0.0.4:8000"] and op.workers()["10.0.0.5:8000"])
+
+
+async def test_not_ready_terminating_and_deleted_pods_get_no_new_requests(
+        cluster: Cluster) -> None:
+    await three_pods(cluster)
+    async with Operator(cluster, Scraper(), "gw-0") as op:
+        await cluster.create(POOLS, pool("p", routing={"policy": "round_robin"}))
+        await eventually(lambda: len(op.workers()) == 3 and all(
+            w.metrics for w in op.router.pools["p"].workers.values()))
+        assert len(op.route(30)) == 3
+
+        await cluster.patch(f"{PODS}/w1", {"status": {"conditions": [
+            {"type": "Ready", "status": "False"}]}})
+        await eventually(lambda: op.workers()["10.0.0.1:8000"] is False)
+        assert set(op.route(30)) == {"10.0.0.2:8000", "10.0.0.3:8000"}
+
+        # Terminating (a finalizer holds it, as kubelet's graceful shutdown would).
+        await cluster.patch(f"{PODS}/w2", {"metadata": {
+            "finalizers": ["test/hold"], "deletionTimestamp": "2026-12-02T00:00:00Z"}})
+        await eventually(lambda: op.workers()["10.0.0.2:8000"] is False)
+        assert set(op.route(30)) == {"10.0.0.3:8000"}
+
+        await cluster.delete(f"{PODS}/w3")
+        await eventually(lambda: "10.0.0.3:8000" not in op.workers())
+        with pytest.raises(RoutingError) as e:
+            op.route(1)
+        assert e.value.status == 503
+
+
+async def test_status_is_written_at_a_bounded_rate_with_events(cluster: Cluster) -> None:
+    await three_pods(cluster)
+    async with Operator(cluster, Scraper(), "gw-0") as op:
+        await cluster.create(POOLS, pool("p"))
+        await eventually(lambda: cluster.condition("p")["status"] == "True")
+        status = cluster.status("p")
+        assert status["readyWorkers"] == 3 and status["workers"] == 3
+        assert status["staleWorkers"] == 0 and status["observedGeneration"] == 1
+        assert status["writer"] == "gw-0"
+        assert cluster.condition("p")["reason"] == "WorkersReady"
+        assert cluster.condition("p", "Valid")["status"] == "True"
+        line = status["workerStatus"][0]
+        assert line["pod"] == "w1" and line["address"] == "10.0.0.1:8000"
+        assert line["ready"] is True and line["waiting"] == 0 and line["running"] == 1
+        assert line["kvUsage"] == 0.25 and line["lastScrape"].endswith("Z")
+        joined = cluster.events("WorkerJoined")
+        assert len(joined) == 3
+        assert joined[0]["involvedObject"] == {"apiVersion": API_VERSION, "kind": KIND,
+                                               "name": "p", "namespace": NS, "uid": "uid-p"}
+
+        # 20 scrapes per second per worker, yet status patches stay under 1/0.3 s per pool.
+        before = len(cluster.requests("PATCH", f"{POOLS}/p/status"))
+        await asyncio.sleep(1.5)
+        patches = len(cluster.requests("PATCH", f"{POOLS}/p/status")) - before
+        assert 1 <= patches <= 6
+
+        await cluster.delete(f"{PODS}/w1")
+        await eventually(lambda: cluster.events("WorkerLeft"))
+        await eventually(lambda: cluster.status("p")["workers"] == 2)
+        assert "w1" in cluster.events("WorkerLeft")[0]["message"]
+        assert op.router.pools["p"].spec.name == "p"
+
+
+async def test_invalid_pools_get_conditions_and_the_operator_carries_on(
+        cluster: Cluster) -> None:
+    await three_pods(cluster)
+    async with Operator(cluster, Scraper(), "gw-0") as op:
+        await cluster.create(POOLS, pool("badpolicy", routing={"policy": "fastest"}))
+        await cluster.create(POOLS, pool("nomatch", models=["m2"],
+                                         selector={"matchLabels": {"app": "nothing"}}))
+        await cluster.create(POOLS, pool("noport", models=["m3"], port="grpc"))
+        await cluster.create(POOLS, pool("noselector", models=["m4"], selector={}))
+        await cluster.create(POOLS, pool("p"))  # a valid pool still works beside them
+
+        await eventually(lambda: cluster.condition("badpolicy")["reason"] == "UnknownPolicy")
+        assert cluster.condition("badpolicy")["status"] == "False"
+        assert cluster.condition("badpolicy", "Valid")["status"] == "False"
+        assert "fastest" in cluster.condition("badpolicy", "Valid")["message"]
+        assert "badpolicy" not in op.router.pools
+        await eventually(lambda: cluster.condition("nomatch")["reason"] == "NoMatchingPods")
+        await eventually(lambda: cluster.condition("noport")["reason"] == "PortNotFound")
+        assert cluster.condition("noport", "Valid")["status"] == "True"
+        await eventually(lambda: cluster.condition("noselector")["reason"] == "InvalidSelector")
+        await eventually(lambda: cluster.condition("p")["status"] == "True")
+        for reason in ("UnknownPolicy", "NoMatchingPods", "PortNotFound", "InvalidSelector"):
+            events = await eventually(lambda r=reason: cluster.events(r))
+            assert events[0]["type"] == "Warning"
+
+        # Fixing the spec makes the pool routable; breaking it again keeps the last good one.
+        await cluster.patch(f"{POOLS}/badpolicy", {"metadata": {"generation": 2}, "spec": {
+            "routing": {"policy": "least_loaded"}, "models": ["m5"]}})
+        await eventually(lambda: op.router.pools["badpolicy"].spec.policy == "least_loaded")
+        await cluster.patch(f"{POOLS}/badpolicy", {"metadata": {"generation": 3}, "spec": {
+            "routing": {"policy": "nope"}}})
+        await eventually(lambda: cluster.condition("badpolicy", "Valid")["status"] == "False")
+        assert op.router.pools["badpolicy"].spec.policy == "least_loaded"
+        await eventually(lambda: "previous valid spec" in cluster.events("UnknownPolicy")[-1][
+            "message"])
+
+        # Deleting a pool removes it and its workers from the router.
+        await cluster.delete(f"{POOLS}/p")
+        await eventually(lambda: "p" not in op.router.pools)
+
+
+async def test_stale_and_failing_scrapes_show_in_status_and_are_avoided(
+        cluster: Cluster) -> None:
+    scraper = Scraper()
+    await three_pods(cluster)
+    async with Operator(cluster, scraper, "gw-0") as op:
+        await cluster.create(POOLS, pool("p", scrape={"intervalSeconds": 0.05, "engine": "sim",
+                                                      "staleAfterSeconds": 0.3}))
+        await eventually(lambda: cluster.status("p").get("readyWorkers") == 3
+                         and cluster.status("p")["staleWorkers"] == 0)
+        scraper.values["http://10.0.0.1:8000/metrics"] = ConnectionRefusedError("refused")
+        await eventually(lambda: cluster.status("p")["staleWorkers"] == 1, timeout=5)
+        line = cluster.status("p")["workerStatus"][0]
+        assert line["stale"] is True and "refused" in line["scrapeError"]
+        assert set(op.route(30)) == {"10.0.0.2:8000", "10.0.0.3:8000"}
+        decision = op.router.route(InferenceRequest(model="m1", prompt="x" * 200),
+                                   time.monotonic())
+        filtered = {c.worker: c.filtered for c in decision.candidates}
+        assert filtered["10.0.0.1:8000"] == "stale"
+        # Every worker failing: Ready=False, MetricsStale, and the router answers 429.
+        for i in (2, 3):
+            scraper.values[f"http://10.0.0.{i}:8000/metrics"] = TimeoutError()
+        await eventually(lambda: cluster.condition("p")["reason"] == "MetricsStale")
+        with pytest.raises(RoutingError) as e:
+            op.route(1)
+        assert e.value.status == 429
+        # Recovery.
+        scraper.values.clear()
+        await eventually(lambda: cluster.condition("p")["status"] == "True")
+        await eventually(lambda: cluster.events("PoolReady"))
+
+
+async def test_api_failures_are_retried(cluster: Cluster) -> None:
+    kmock = cluster.kmock
+    budget = {"list": 3, "watch": 1, "status": 3, "events": 2}
+
+    def fail(kind: str, status: int) -> Callable[[Any], None]:
+        def reaction(_: Any) -> None:
+            if budget[kind] > 0:
+                budget[kind] -= 1
+                raise K.KubernetesError(status=status, reason="Injected", message=kind)
+        return reaction
+
+    def gone(_: Any) -> Any:
+        if budget["watch"] > 0:
+            budget["watch"] -= 1
+            return ({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+                                                 "code": 410, "reason": "Expired"}},)
+        return None
+
+    kmock[K.resource("v1/pods"), K.action.LIST] << fail("list", 500)
+    kmock[K.resource("v1/pods"), K.action.WATCH] << gone
+    kmock[K.action.UPDATE, K.subresource("status")] << fail("status", 503)
+    kmock[K.resource("v1/events"), K.action.CREATE] << fail("events", 500)
+    await three_pods(cluster)
+    async with Operator(cluster, Scraper(), "gw-0") as op:
+        await cluster.create(POOLS, pool("p"))
+        await eventually(lambda: len(op.workers()) == 3)
+        await eventually(lambda: cluster.condition("p")["status"] == "True")
+        await eventually(lambda: len(cluster.events("WorkerJoined")) == 3)
+        assert budget == {"list": 0, "watch": 0, "status": 0, "events": 0}
+        # After the 410s the watch still delivers changes.
+        await cluster.delete(f"{PODS}/w2")
+        await eventually(lambda: "10.0.0.2:8000" not in op.workers())
+
+
+async def test_watcher_outlives_an_api_outage_and_resync_catches_missed_deletes(
+        cluster: Cluster) -> None:
+    kmock = cluster.kmock
+    down = {"on": False}
+
+    def outage(_: Any) -> None:
+        if down["on"]:
+            raise K.KubernetesError(status=503, reason="Unavailable", message="down")
+
+    kmock[K.resource("v1/pods"), K.action.LIST] << outage
+    kmock[K.resource("v1/pods"), K.action.WATCH] << outage
+    await three_pods(cluster)
+    async with Operator(cluster, Scraper(), "gw-0") as op:
+        await cluster.create(POOLS, pool("p"))
+        await eventually(lambda: len(op.workers()) == 3)
+        # A pod vanishes without a DELETED event reaching the watch (hard delete in storage).
+        del kmock.objects["v1/pods", NS, "w3"]
+        await eventually(lambda: "10.0.0.3:8000" not in op.workers())
+        # Pod listing down for longer than kopf's backoffs: kopf gives up, we restart it.
+        down["on"] = True
+        await cluster.create(PODS, pod("w4", "10.0.0.4"))
+        await asyncio.sleep(1.0)
+        assert not op.task.done()
+        down["on"] = False
+        await eventually(lambda: op.workers().get("10.0.0.4:8000") is True, timeout=10)
+
+
+async def test_only_the_lease_holder_writes_and_a_successor_takes_over(
+        cluster: Cluster) -> None:
+    await three_pods(cluster)
+    await cluster.create(POOLS, pool("p"))
+    a = await Operator(cluster, Scraper(), "gw-a").__aenter__()
+    await eventually(lambda: cluster.status("p").get("writer") == "gw-a")
+    async with Operator(cluster, Scraper(), "gw-b") as b:
+        # Both replicas route on their own view...
+        await eventually(lambda: len(b.workers()) == 3 and len(a.workers()) == 3)
+        await asyncio.sleep(0.8)
+        # ...but only the holder writes status and events.
+        writers = {r.data["status"]["writer"] for r in cluster.requests(
+            "PATCH", f"{POOLS}/p/status")}
+        assert writers == {"gw-a"}
+        assert {e["reportingInstance"] for e in cluster.events()} == {"gw-a"}
+        lease = cluster.obj("coordination.k8s.io/v1/leases", "cachepilot-gateway")
+        assert lease["spec"]["holderIdentity"] == "gw-a"
+        # The holder stops (and releases the lease): the other takes over.
+        await a.__aexit__(None, None, None)
+        await eventually(lambda: cluster.obj("coordination.k8s.io/v1/leases",
+                                             "cachepilot-gateway")["spec"]["holderIdentity"]
+                         == "gw-b")
+        await cluster.delete(f"{PODS}/w1")
+        await eventually(lambda: cluster.status("p").get("writer") == "gw-b"
+                         and cluster.status("p")["workers"] == 2)
+        assert any(e["reportingInstance"] == "gw-b" for e in cluster.events("WorkerLeft"))
+
+
+async def test_operator_writes_nothing_to_pods_or_pool_specs(cluster: Cluster) -> None:
+    await three_pods(cluster)
+    async with Operator(cluster, Scraper(), "gw-0"):
+        await cluster.create(POOLS, pool("p"))
+        await eventually(lambda: cluster.condition("p")["status"] == "True")
+    before = [r for r in cluster.kmock if r.method.value in ("PATCH", "PUT", "POST", "DELETE")]
+    written = {(r.method.value, r.url.path) for r in before}
+    allowed_prefixes = (f"{POOLS}/p/status", EVENTS, LEASES)
+    ours = {w for w in written if w[1].startswith(allowed_prefixes)}
+    test_writes = {("POST", PODS), ("POST", POOLS)}
+    assert written - ours == test_writes
