@@ -256,3 +256,15 @@ def test_simulator_log_replays_and_simulates(tmp_path: Path) -> None:
     # Same arrivals, same policy, same engine model: the simulator reproduces the run.
     assert result["simulated"]["recorded_policy"]["ttft_mean_s"] == pytest.approx(mean)
     assert result["simulated"]["replayed_policy"]["policy"] == "round_robin"
+
+
+def test_empty_log_commands(tmp_path: Path) -> None:
+    Recorder(tmp_path / "empty").close()
+    runner = CliRunner()
+    for args in (["decisions", "stats"], ["replay"], ["decisions", "list"]):
+        res = runner.invoke(main, [*args, str(tmp_path / "empty")])
+        assert res.exit_code == 0, (args, res.output)
+    res = runner.invoke(main, ["explain", "last", "--log", str(tmp_path / "empty")])
+    assert res.exit_code != 0 and "no decision" in res.output
+    res = runner.invoke(main, ["decisions", "stats", str(tmp_path / "nothing-here")])
+    assert res.exit_code != 0 and "no decision log" in res.output

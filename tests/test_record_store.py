@@ -237,6 +237,11 @@ def test_normal_load_drops_nothing(tmp_path: Path) -> None:
             assert rec.decision(d, pool)
             assert rec.outcome(d.id, status=200, ttft_ms=20.0, first_byte="stream")
     assert rec.dropped == {} and rec.written == {"decision": 3000, "outcome": 3000}
+    log = open_log(tmp_path / "log")
+    recs = list(log.records(chunk=700))  # iteration resumes correctly across chunks
+    assert [r["id"] for r in recs] == [d.id for d in decisions]
+    assert all(r["outcome"]["ttft_ms"] == 20.0 for r in recs)
+    log.close()
 
 
 def test_metrics_go_to_the_given_registry(tmp_path: Path) -> None:
