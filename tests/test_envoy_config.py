@@ -38,7 +38,12 @@ def test_shape_of_the_bootstrap() -> None:
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     ext = hcm["typed_config"]["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
-    assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ext["send_body_without_waiting_for_header_response"] is True
+    chat = next(r for r in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+                if r["name"] == "/v1/chat/completions-picked")
+    mode = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
+        "processing_mode"]
+    assert mode["request_body_mode"] == "STREAMED" and mode["response_body_mode"] == "STREAMED"
 
 
 def test_fail_open_without_fallback_is_refused() -> None:

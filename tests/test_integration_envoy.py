@@ -87,6 +87,33 @@ def test_bad_requests_get_json_errors_through_envoy(stack: LocalStack, payload: 
     assert words in r.json()["error"]["message"]
 
 
+def test_empty_body_and_wrong_method_are_json_errors(stack: LocalStack) -> None:
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        empty = c.post("/v1/completions", content=b"")
+        assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
+        get = c.get("/v1/chat/completions")
+        assert get.status_code == 405 and "POST" in get.json()["error"]["message"]
+
+
+def test_body_far_over_the_limit_is_a_json_413() -> None:
+    with LocalStack(StackConfig(workers=1, speed=4.0, max_body_bytes=100_000,
+                                gateway_args=("--max-body-bytes", "100000"))) as stack:
+        raw = json.dumps({"model": MODEL, "prompt": "x" * 3_000_000}).encode()
+
+        def chunked():  # no content-length: the gateway counts the bytes as they stream
+            for i in range(0, len(raw), 65536):
+                yield raw[i:i + 65536]
+
+        for content in (raw[:150_000], chunked()):
+            r = httpx.post(f"{stack.url}/v1/completions", timeout=30, content=content)
+            assert r.status_code == 413
+            msg = r.json()["error"]["message"]
+            assert "limit" in msg and "100000" in msg
+        ok = httpx.post(f"{stack.url}/v1/completions", timeout=30,
+                        json={"model": MODEL, "prompt": "x" * 1000, "max_tokens": 1})
+        assert ok.status_code == 200
+
+
 def test_gateway_keeps_serving_after_bad_input(stack: LocalStack) -> None:
     with httpx.Client(base_url=stack.url, timeout=30) as c:
         for junk in (b"", b"\xff\xfe", b"null", b"{" * 5000):
@@ -170,6 +197,16 @@ def test_every_error_code_comes_back_through_envoy(embedded) -> None:
     r429 = httpx.post(url, json=chat("x", prefix="s"), timeout=30)
     assert r429.status_code == 429 and int(r429.headers["retry-after"]) >= 1
     assert "admission limit" in r429.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("observe", [True, False], ids=["observe", "no-observe"])
+def test_decision_headers_reach_the_client_in_both_modes(observe: bool) -> None:
+    with LocalStack(StackConfig(workers=2, speed=4.0, observe_responses=observe)) as stack:
+        r = httpx.post(f"{stack.url}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200
+        assert r.headers["x-cachepilot-worker"] in stack.worker_addresses
+        assert r.headers["x-cachepilot-decision-id"]
 
 
 @pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])

@@ -40,26 +40,32 @@ def chat(text: str = "hello", **kw) -> bytes:
 
 
 def exchange(proc: Processor, raw: bytes, path: str = "/v1/chat/completions"):
+    """Headers, then the body in two STREAMED chunks; returns the answer to the last chunk."""
     ex = Exchange()
-    first = proc.handle(ex, headers(path, content_length=str(len(raw))))
-    second = proc.handle(ex, body(raw))
-    return ex, first, second
+    out = proc.handle(ex, headers(path, content_length=str(len(raw))))
+    if out:  # rejected at the headers
+        return ex, out[0]
+    half = len(raw) // 2
+    assert proc.handle(ex, body(raw[:half], eos=False)) == []
+    out = proc.handle(ex, body(raw[half:], eos=True))
+    return ex, out[0] if len(out) == 1 else out
 
 
-def test_body_response_names_the_worker_for_original_dst(proc: Processor) -> None:
-    ex, first, second = exchange(proc, chat())
-    assert first.WhichOneof("response") == "request_headers"
-    hdrs = set_headers(second)
+def test_headers_answer_waits_for_the_body_then_names_the_worker(proc: Processor) -> None:
+    ex, out = exchange(proc, chat())
+    kinds = [r.WhichOneof("response") for r in out]
+    assert kinds == ["request_headers", "request_body", "request_body"]  # Envoy's order
+    hdrs = set_headers(out[0])
     assert hdrs[DESTINATION_HEADER] in WORKERS
     assert hdrs[DECISION_HEADER] == ex.decision.id
-    assert second.request_body.response.clear_route_cache
+    assert out[0].request_headers.response.clear_route_cache
 
 
 def test_response_headers_return_decision_and_worker_and_release(proc: Processor) -> None:
-    ex, _, _ = exchange(proc, chat(stream=True))
+    ex, _ = exchange(proc, chat(stream=True))
     w = proc.router.pools["default"].workers[ex.decision.chosen]
     assert w.inflight == 1
-    r = proc.handle(ex, headers("", response=True))
+    [r] = proc.handle(ex, headers("", response=True))
     assert set_headers(r) == {DECISION_HEADER: ex.decision.id, WORKER_HEADER: ex.decision.chosen}
     proc.handle(ex, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
                          response=True))
@@ -73,7 +79,7 @@ def test_response_headers_return_decision_and_worker_and_release(proc: Processor
 
 
 def test_cached_tokens_found_across_chunk_boundary(proc: Processor) -> None:
-    ex, _, _ = exchange(proc, chat())
+    ex, _ = exchange(proc, chat())
     proc.handle(ex, headers("", response=True))
     proc.handle(ex, body(b'{"usage":{"prompt_tokens_details":{"cached_to', eos=False,
                          response=True))
@@ -82,7 +88,7 @@ def test_cached_tokens_found_across_chunk_boundary(proc: Processor) -> None:
 
 
 def test_aborted_stream_still_releases(proc: Processor) -> None:
-    ex, _, _ = exchange(proc, chat())
+    ex, _ = exchange(proc, chat())
     proc.finish(ex, aborted=True)
     assert proc.router.pools["default"].workers[ex.decision.chosen].inflight == 0
     assert proc.sink.outcomes[ex.decision.id]["aborted"]
@@ -93,7 +99,7 @@ def test_aborted_stream_still_releases(proc: Processor) -> None:
     (orjson.dumps({"model": 1, "messages": []}), 400),
 ])
 def test_bad_bodies_get_json_errors(proc: Processor, raw: bytes, status: int) -> None:
-    _, _, resp = exchange(proc, raw)
+    _, resp = exchange(proc, raw)
     imm = resp.immediate_response
     assert imm.status.code == status
     assert "message" in orjson.loads(imm.body)["error"]
@@ -101,13 +107,21 @@ def test_bad_bodies_get_json_errors(proc: Processor, raw: bytes, status: int) ->
 
 def test_oversized_body_is_413_at_headers(proc: Processor) -> None:
     ex = Exchange()
-    resp = proc.handle(ex, headers("/v1/completions", content_length="20000"))
+    [resp] = proc.handle(ex, headers("/v1/completions", content_length="20000"))
     assert resp.immediate_response.status.code == 413
     assert b"limit is 10000" in resp.immediate_response.body
 
 
+def test_chunked_body_over_the_limit_is_413(proc: Processor) -> None:
+    ex = Exchange()
+    assert proc.handle(ex, headers("/v1/completions")) == []  # no content-length
+    assert proc.handle(ex, body(b"x" * 6000, eos=False)) == []
+    [resp] = proc.handle(ex, body(b"x" * 6000, eos=False))
+    assert resp.immediate_response.status.code == 413
+
+
 def test_empty_body_is_400(proc: Processor) -> None:
-    resp = proc.handle(Exchange(), headers("/v1/completions", eos=True))
+    [resp] = proc.handle(Exchange(), headers("/v1/completions", eos=True))
     assert resp.immediate_response.status.code == 400
 
 
@@ -115,7 +129,7 @@ def test_all_full_is_429_with_retry_after(proc: Processor) -> None:
     for w in WORKERS:
         proc.router.pools["default"].update_metrics(
             w, WorkerMetrics(waiting=1000, running=64, scraped_at=100.0))
-    _, _, resp = exchange(proc, chat())
+    _, resp = exchange(proc, chat())
     imm = resp.immediate_response
     assert imm.status.code == 429
     hdrs = {h.header.key: h.header.raw_value for h in imm.headers.set_headers}
@@ -123,7 +137,7 @@ def test_all_full_is_429_with_retry_after(proc: Processor) -> None:
 
 
 def test_get_models_passes_through_to_a_ready_worker(proc: Processor) -> None:
-    resp = proc.handle(Exchange(), headers("/v1/models", method="GET", eos=True))
+    [resp] = proc.handle(Exchange(), headers("/v1/models", method="GET", eos=True))
     assert set_headers(resp)[DESTINATION_HEADER] in WORKERS
 
 

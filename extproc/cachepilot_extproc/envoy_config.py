@@ -12,9 +12,15 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import yaml
 
-from cachepilot_extproc.service import DESTINATION_HEADER
+from cachepilot.routing.request import INFERENCE_PATHS
+from cachepilot_extproc.service import (
+    DECISION_HEADER,
+    DESTINATION_HEADER,
+    WORKER_HEADER,
+)
 
 _T = "type.googleapis.com/envoy."
 
@@ -86,8 +92,64 @@ def _breakers(n: int) -> dict[str, Any]:
                             "max_pending_requests": n, "max_requests": n, "max_retries": 3}]}
 
 
+def _picked_or_fallback(o: EnvoyOptions, match: dict[str, Any], to_workers: dict[str, Any],
+                        name: str) -> list[dict[str, Any]]:
+    """Fail-closed: one route to ORIGINAL_DST (no destination header → 503). Fail-open: the
+    gateway's header selects ORIGINAL_DST; without it (gateway down) round-robin fallback."""
+    if not o.fail_open:
+        return [{"name": name, "match": match, "route": to_workers}]
+    picked = {**match, "headers": [*match.get("headers", []),
+                                   {"name": DESTINATION_HEADER, "present_match": True}]}
+    return [{"name": f"{name}-picked", "match": picked, "route": to_workers},
+            {"name": f"{name}-fallback", "match": match,
+             "route": {**to_workers, "cluster": "cachepilot_fallback"}}]
+
+
+def _json_reply(status: int, message: str) -> dict[str, Any]:
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request",
+                                   "code": status}}).decode()
+    return {"status": status, "body": {"inline_string": body}}
+
+
+def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
+                      ) -> list[dict[str, Any]]:
+    """Inference routes stream the request body to the gateway, and its responses only when
+    ``observe_responses`` is on."""
+    per_route = {"envoy.filters.http.ext_proc": {
+        "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {
+            "processing_mode": {
+                "request_header_mode": "SEND", "request_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_header_mode": "SEND" if o.observe_responses else "SKIP",
+                "response_body_mode": "STREAMED" if o.observe_responses else "NONE",
+                "response_trailer_mode": "SKIP"}}}}
+    post = {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
+    routes = [
+        # No body means no ext_proc message at all: answer here.
+        {"name": f"{path}-empty", "match": {**post, "headers": [
+            *post["headers"], {"name": "content-length", "string_match": {"exact": "0"}}]},
+         "direct_response": _json_reply(400, "request body is empty")},
+        {"name": f"{path}-method", "match": {"path": path, "headers": [
+            {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]},
+         "direct_response": _json_reply(405, f"{path} takes POST")},
+    ]
+    for r in _picked_or_fallback(o, post, to_workers, path):
+        r["typed_per_filter_config"] = per_route
+        if not o.observe_responses:  # the gateway never sees the response: Envoy adds these
+            r["response_headers_to_add"] = [
+                {"header": {"key": DECISION_HEADER, "value": f"%REQ({DECISION_HEADER})%"},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                {"header": {"key": WORKER_HEADER, "value": f"%REQ({DESTINATION_HEADER})%"},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+        routes.append(r)
+    return routes
+
+
 def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
     """The whole bootstrap as a dict (dump it as YAML or JSON)."""
+    # Filter-wide mode serves non-inference paths (GET /v1/models, /health): headers only, and
+    # the gateway names any ready worker. Inference routes override it (_inference_routes).
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -96,24 +158,21 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                              "timeout": "5s"},
             "failure_mode_allow": o.fail_open,
             "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
+            # Stream the body at once: the gateway answers the headers when it has the body,
+            # so a decision costs one round trip (STREAMED mode only).
+            "send_body_without_waiting_for_header_response": True,
             "processing_mode": {
-                "request_header_mode": "SEND", "request_body_mode": "BUFFERED",
-                "request_trailer_mode": "SKIP", "response_header_mode": "SEND",
-                "response_body_mode": "STREAMED" if o.observe_responses else "NONE",
-                "response_trailer_mode": "SKIP"},
+                "request_header_mode": "SEND", "request_body_mode": "NONE",
+                "request_trailer_mode": "SKIP", "response_header_mode": "SKIP",
+                "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
         },
     }
     to_workers = {"cluster": "cachepilot_workers", "timeout": f"{o.upstream_timeout_s}s",
                   "idle_timeout": "300s"}
-    routes: list[dict[str, Any]] = [{
-        "name": "picked",
-        "match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
-        "route": to_workers}]
-    if o.fail_open:  # reached only when the processor did not answer
-        routes.append({"name": "fallback", "match": {"prefix": "/"},
-                       "route": {**to_workers, "cluster": "cachepilot_fallback"}})
-    else:
-        routes[0]["match"] = {"prefix": "/"}  # no header → ORIGINAL_DST answers 503
+    routes: list[dict[str, Any]] = []
+    for path in INFERENCE_PATHS:
+        routes += _inference_routes(o, path, to_workers)
+    routes += _picked_or_fallback(o, {"prefix": "/"}, to_workers, "other")
     hcm = {
         "@type": _T + "extensions.filters.network.http_connection_manager.v3"
                       ".HttpConnectionManager",
@@ -158,8 +217,9 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
             "listeners": [{
                 "name": "cachepilot",
                 "address": _addr(o.listen_address, o.listen_port),
-                # Room for the largest accepted body plus headers: the gateway answers 413
-                # with a JSON message before Envoy's own limit can.
+                # Envoy holds a request body until the gateway has routed it. Room for the
+                # largest accepted body and then some, so that the gateway, seeing more than
+                # max_body_bytes arrive, answers 413 in JSON before Envoy's buffer is full.
                 "per_connection_buffer_limit_bytes": o.max_body_bytes + 256 * 1024,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
@@ -172,8 +232,6 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
 
 
 def render(o: EnvoyOptions, fmt: str = "yaml") -> str:
-    import orjson
-
     config = build_bootstrap(o)
     if fmt == "json":
         return orjson.dumps(config, option=orjson.OPT_INDENT_2).decode()

@@ -293,13 +293,16 @@ class LlamaStack:
                                    f"(logs: {self.log_dir})")
             time.sleep(0.2)
 
-    def decision(self, decision_id: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
-        """The gateway's record of one decision (its prediction and observed outcome)."""
+    def decision(self, decision_id: str, timeout_s: float = 10.0,
+                 with_outcome: bool = False) -> dict[str, Any] | None:
+        """The gateway's record of one decision (its prediction and, once the response has
+        ended, the outcome it observed); None if it never appears."""
         deadline = time.monotonic() + timeout_s
         while True:
             code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
-            if code == 200:
-                return json.loads(body)
+            rec = json.loads(body) if code == 200 else None
+            if rec is not None and (not with_outcome or rec.get("outcome")):
+                return rec
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.2)  # the decision log commits in batches
@@ -573,6 +576,7 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
     phases: dict[str, list[Sample]] = {}
     for name, policy in PHASES:
         t0 = time.monotonic()
+        load_before = os.getloadavg()[0]
         stack = LlamaStack(workers=workers, policy=policy, max_tokens=workload.max_tokens,
                            log_dir=str(out_dir / f"logs-{name}"))
         with stack:
@@ -585,6 +589,8 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
             result[name] = summarize(samples, wall) | {
                 "policy": policy, "calibration": asdict(stack.calibration),
                 "worker_spec": asdict(stack.spec),
+                # Other processes on the machine skew TTFT: the 1-min load before and after.
+                "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 "directory_capacity_blocks": stack.capacity_blocks
                 or directory_capacity_blocks(stack.spec, stack.block_size)}
         if echo:

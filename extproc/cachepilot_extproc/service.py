@@ -1,8 +1,12 @@
 """Envoy's ExternalProcessor stream, one per HTTP request, as a small state machine.
 
-Request headers → note method, path, content length; answer at once for bodiless requests.
-Request body (BUFFERED) → parse, route, and set the destination header that Envoy's
-ORIGINAL_DST cluster reads, or answer with a JSON error (ImmediateResponse).
+Request headers → note method, path, content length. Non-inference requests are answered at
+once (any ready worker). For inference requests the answer waits for the body: Envoy streams
+it without waiting for that answer (``send_body_without_waiting_for_header_response``), so
+routing costs one round trip, not two.
+Request body (STREAMED chunks) → collect; at the last chunk parse, route, and answer the
+headers with the destination header that Envoy's ORIGINAL_DST cluster reads (then one empty
+answer per chunk), or answer with a JSON error (ImmediateResponse).
 Response headers → hand the decision id and worker back to the client; first byte time.
 Response body (STREAMED, optional) → first token time and the worker's cached-token count.
 The stream's end, however it ends, releases the request's place on its worker.
@@ -93,6 +97,9 @@ class Exchange:
     first_token_s: float | None = None
     cached_tokens: int | None = None
     tail: bytes = b""
+    body: bytearray = field(default_factory=bytearray)
+    chunks: int = 0  # request body messages not yet answered
+    inference: bool = False
     done: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -111,24 +118,25 @@ class Processor:
         self.clock = clock
         self._passthrough_seq = 0
 
-    def handle(self, ex: Exchange, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
+    def handle(self, ex: Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """Answer one message from Envoy: zero or more responses, in the order Envoy expects."""
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             return self._request_headers(ex, msg.request_headers)
         if kind == "request_body":
             return self._request_body(ex, msg.request_body)
         if kind == "response_headers":
-            return self._response_headers(ex, msg.response_headers)
+            return [self._response_headers(ex, msg.response_headers)]
         if kind == "response_body":
-            return self._response_body(ex, msg.response_body)
+            return [self._response_body(ex, msg.response_body)]
         if kind == "request_trailers":
-            return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+            return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_trailers":
-            return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
         raise RequestError(400, f"unexpected ext_proc message {kind!r}")
 
     # -- request ------------------------------------------------------------------------------
-    def _request_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
+    def _request_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
         ex.started = self.clock()
         for h in msg.headers.headers:
             value = h.raw_value.decode("latin-1") if h.raw_value else h.value
@@ -138,34 +146,38 @@ class Processor:
                 ex.method = value
             elif h.key == "content-length":
                 ex.content_length = int(value) if value.isdigit() else None
-        if inference_path(ex.path) and ex.method == "POST":
-            limit = self.options.max_body_bytes
-            if ex.content_length is not None and ex.content_length > limit:
-                return self._error(RequestError(
-                    413, f"request body is {ex.content_length} bytes; the limit is {limit}",
-                    code="body_too_large"))
-            if msg.end_of_stream:
-                return self._error(RequestError(400, "request body is empty"))
-            return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-        if msg.end_of_stream:  # GET /v1/models, /health, …: any ready worker answers
-            return ep.ProcessingResponse(request_headers=ep.HeadersResponse(
-                response=self._passthrough()))
-        return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+        ex.inference = bool(inference_path(ex.path)) and ex.method == "POST"
+        if not ex.inference:  # GET /v1/models, /health, …: any ready worker answers
+            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+                response=self._passthrough()))]
+        limit = self.options.max_body_bytes
+        if ex.content_length is not None and ex.content_length > limit:
+            return [self._error(RequestError(
+                413, f"request body is {ex.content_length} bytes; the limit is {limit}",
+                code="body_too_large"))]
+        if msg.end_of_stream:
+            return [self._error(RequestError(400, "request body is empty"))]
+        return []  # answered with the destination once the body is complete
 
-    def _request_body(self, ex: Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
-        if not (inference_path(ex.path) and ex.method == "POST"):
-            return ep.ProcessingResponse(request_body=ep.BodyResponse(
-                response=self._passthrough()))
-        if len(msg.body) > self.options.max_body_bytes:
-            return self._error(RequestError(
-                413, f"request body is {len(msg.body)} bytes; the limit is "
-                f"{self.options.max_body_bytes}", code="body_too_large"))
+    def _request_body(self, ex: Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        if not ex.inference:
+            return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
+        ex.body += msg.body
+        ex.chunks += 1
+        if len(ex.body) > self.options.max_body_bytes:
+            return [self._error(RequestError(
+                413, f"request body exceeds the limit of {self.options.max_body_bytes} bytes",
+                code="body_too_large"))]
+        if not msg.end_of_stream:
+            return []
         t0 = time.perf_counter()
         try:
-            req = parse_openai_body(ex.path, msg.body)
+            req = parse_openai_body(ex.path, bytes(ex.body))
             decision = self.router.route(req, self.clock())
         except RequestError as err:
-            return self._error(err)
+            return [self._error(err)]
+        finally:
+            ex.body = bytearray()
         elapsed = time.perf_counter() - t0
         ex.decision, ex.stream = decision, req.stream
         m = self.metrics
@@ -175,8 +187,11 @@ class Processor:
             m.predicted_hits.labels(decision.pool).inc()
         self.sink.decision(decision)
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
-        return ep.ProcessingResponse(request_body=ep.BodyResponse(
-            response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)))
+        out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)))]
+        out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * ex.chunks
+        ex.chunks = 0
+        return out
 
     def _passthrough(self) -> ep.CommonResponse:
         """Non-inference requests go to any ready worker, in turn."""
@@ -262,7 +277,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         try:
             async for msg in request_iterator:
                 try:
-                    yield self.processor.handle(ex, msg)
+                    for resp in self.processor.handle(ex, msg):
+                        yield resp
                 except RequestError as err:
                     yield immediate(err)
                 except Exception:  # a bug must cost one request, not the gateway

@@ -59,6 +59,7 @@ class StackConfig:
     gateway_args: tuple[str, ...] = ()
     fail_open: bool = False
     observe_responses: bool = True
+    max_body_bytes: int = 8 * 1024 * 1024
     scrape_interval: float = 0.1
     decision_log: str | None = None
     log_dir: str | None = None
@@ -121,7 +122,8 @@ class LocalStack:
                             admin_port=self.envoy_admin_port, ext_proc_port=self.gateway_port,
                             fail_open=c.fail_open,
                             fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
-                            observe_responses=c.observe_responses)
+                            observe_responses=c.observe_responses,
+                            max_body_bytes=c.max_body_bytes)
         cfg_path = self.log_dir / "envoy.yaml"
         cfg_path.write_text(render(opts))
         self._spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",

@@ -86,11 +86,17 @@ class PrefixDirectory:
         self._evict(wb)
 
     def _evict(self, wb: _WorkerBlocks) -> None:
-        lru = wb.lru
-        while len(lru) > wb.capacity:
+        lru, masks, keep = wb.lru, self._masks, ~wb.bit
+        excess = len(lru) - wb.capacity
+        for _ in range(excess):  # the hot loop of a full directory: _clear inlined
             h, _ = lru.popitem(last=False)
-            self._clear(h, wb.bit)
-            wb.evictions += 1
+            mask = masks[h] & keep
+            if mask:
+                masks[h] = mask
+            else:
+                del masks[h]
+        if excess > 0:
+            wb.evictions += excess
 
     def _clear(self, h: int, bit: int) -> None:
         mask = self._masks.get(h, 0) & ~bit

@@ -1,0 +1,43 @@
+# Two commands on a fresh machine:  make demo  (the local stack, round robin vs CachePilot)
+#                                   make test  (ruff + the test suite)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo up test test-all bench experiment e2e clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/cachepilot demo
+
+up: $(VENV)/.installed
+	$(BIN)/cachepilot up
+
+test: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed  # includes the real-model test (builds llama.cpp: ~12 min once)
+	$(BIN)/pip install --quiet -e '.[dev,llamacpp]'
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/decision_latency.py
+	$(BIN)/python benchmarks/extproc_parse.py
+	$(BIN)/python benchmarks/added_latency.py
+
+experiment: $(VENV)/.installed
+	$(BIN)/cachepilot experiment seed-claims --out runs/seed-claims
+
+e2e: $(VENV)/.installed  # needs Docker and kind
+	$(BIN)/python -m pytest e2e -m e2e -s
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

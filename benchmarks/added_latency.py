@@ -1,0 +1,160 @@
+"""Latency that Envoy + CachePilot's ext_proc add over Envoy straight to a worker.
+
+Three Envoys share one simulated worker (run so fast that its engine time is ~0): a plain
+Envoy routing to it, Envoy + gateway, and Envoy + gateway without response observation.
+Requests (non-streamed, ~8k-token prompts) go to the three in turn at ``--rate`` requests/s
+each, so machine noise lands on all of them alike; the figures are differences of
+percentiles measured in one run.
+
+    python benchmarks/added_latency.py [--rate 100] [--seconds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+import yaml
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from cachepilot_extproc.envoy_config import EnvoyOptions, build_bootstrap
+from cachepilot_extproc.stack import envoy_binary, free_port, http_get
+
+
+def direct_bootstrap(port: int, admin: int, worker: str) -> dict:
+    """The same bootstrap minus ext_proc, routing to the worker as a static cluster."""
+    cfg = build_bootstrap(EnvoyOptions(listen_address="127.0.0.1", listen_port=port,
+                                       admin_port=admin, fail_open=True,
+                                       fallback_workers=(worker,)))
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][1:]
+    vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
+    vhost["routes"] = vhost["routes"][1:]  # only the fallback (static) route
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rate", type=float, default=100.0, help="requests/s per path")
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--tokens", type=int, default=8192)
+    args = ap.parse_args()
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="cachepilot-bench-"))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str, argv: list[str]) -> None:
+        procs.append(subprocess.Popen(argv, stdout=open(tmp / f"{name}.log", "wb"),  # noqa: SIM115
+                                      stderr=subprocess.STDOUT))
+
+    wport, gport, aport = free_port(), free_port(), free_port()
+    worker = f"127.0.0.1:{wport}"
+    cp = [sys.executable, "-m", "cachepilot"]
+    spawn("worker", [*cp, "sim-worker", "--port", str(wport), "--speed", "100000",
+                     "--num-blocks", "65536"])
+    spawn("gateway", [*cp, "gateway", "--listen", f"127.0.0.1:{gport}", "--admin-port",
+                      str(aport), "--workers", worker, "--engine", "sim"])
+    paths: dict[str, int] = {}
+    configs = {
+        "envoy → worker": direct_bootstrap(free_port(), free_port(), worker),
+        "envoy + cachepilot": build_bootstrap(EnvoyOptions(
+            listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
+            ext_proc_port=gport)),
+        "envoy + cachepilot, no response observation": build_bootstrap(EnvoyOptions(
+            listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
+            ext_proc_port=gport, observe_responses=False)),
+    }
+    try:
+        for i, (name, cfg) in enumerate(configs.items()):
+            path = tmp / f"envoy{i}.yaml"
+            path.write_text(yaml.safe_dump(copy.deepcopy(cfg)))
+            spawn(f"envoy{i}", [envoy_binary(), "-c", str(path), "--concurrency", "1",
+                                "--disable-hot-restart", "-l", "warning"])
+            paths[name] = cfg["static_resources"]["listeners"][0]["address"][
+                "socket_address"]["port_value"]
+        deadline = time.time() + 30
+        while http_get(f"http://127.0.0.1:{aport}/readyz")[0] != 200 if _up(aport) else True:
+            if time.time() > deadline:
+                raise TimeoutError(f"stack not ready; logs in {tmp}")
+            time.sleep(0.2)
+        time.sleep(1.0)
+        results = asyncio.run(drive(paths, args, console))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+    base = results["envoy → worker"]
+    table = Table(title=f"End-to-end latency, {args.tokens:,}-token prompts, {args.rate:g} "
+                        "req/s per path (ms)")
+    for col in ("path", "n", "errors", "p50", "p99", "added p50", "added p99"):
+        table.add_column(col, justify="right")
+    for name, (lat, errors) in results.items():
+        p50, p99 = np.percentile(lat, 50), np.percentile(lat, 99)
+        b50, b99 = np.percentile(base[0], 50), np.percentile(base[0], 99)
+        table.add_row(name, str(len(lat)), str(errors), f"{p50:.2f}", f"{p99:.2f}",
+                      "" if name == "envoy → worker" else f"{p50 - b50:+.2f}",
+                      "" if name == "envoy → worker" else f"{p99 - b99:+.2f}")
+    console.print(table)
+    console.print("targets: added ≤ 1 ms p50 and ≤ 3 ms p99")
+
+
+def _up(port: int) -> bool:
+    try:
+        http_get(f"http://127.0.0.1:{port}/healthz", timeout=0.3)
+        return True
+    except OSError:
+        return False
+
+
+async def drive(paths: dict[str, int], args: argparse.Namespace, console: Console
+                ) -> dict[str, tuple[np.ndarray, int]]:
+    rng = random.Random(0)
+    docs = ["".join(rng.choices("abcdefgh ", k=args.tokens * 4)) for _ in range(8)]
+    names = list(paths)
+    lat: dict[str, list[float]] = {n: [] for n in names}
+    errors = dict.fromkeys(names, 0)
+    n = int(args.rate * args.seconds)
+    gap = 1.0 / (args.rate * len(names))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(name: str, body: bytes) -> None:
+            t0 = time.perf_counter()
+            async with session.post(f"http://127.0.0.1:{paths[name]}/v1/completions",
+                                    data=body, headers={"content-type": "application/json"}
+                                    ) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    errors[name] += 1
+                    return
+            lat[name].append((time.perf_counter() - t0) * 1000)
+
+        tasks = []
+        with Progress(console=console, transient=True) as progress:
+            bar = progress.add_task("requests", total=n * len(names))
+            start = time.perf_counter()
+            for i in range(n * len(names)):
+                await asyncio.sleep(max(0.0, start + i * gap - time.perf_counter()))
+                body = orjson.dumps({"model": "sim-llama-8b", "max_tokens": 1,
+                                     "prompt": docs[i % len(docs)] + str(i)})
+                t = asyncio.create_task(one(names[i % len(names)], body))
+                t.add_done_callback(lambda _t: progress.advance(bar))
+                tasks.append(t)
+            await asyncio.gather(*tasks)
+    return {k: (np.array(v), errors[k]) for k, v in lat.items()}
+
+
+if __name__ == "__main__":
+    main()
