@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 
 import httpx
 import pytest
 
-from cachepilot.routing import BlockConfig, WorkerMetrics
+from cachepilot.routing import BlockConfig, Weights, WorkerMetrics
 from cachepilot_extproc.cli import static_router
 from cachepilot_extproc.server import GatewayConfig
 from cachepilot_extproc.service import DESTINATION_HEADER, GatewayOptions
@@ -150,9 +151,8 @@ def embedded():
     grpc_port, admin_port = free_port(), free_port()
     stack = LocalStack(StackConfig(workers=2, speed=4.0, start_gateway=False))
     stack.gateway_port, stack.admin_port = grpc_port, admin_port
-    router = static_router([], policy="priced", weights=None or __import__(
-        "cachepilot.routing").routing.Weights(), models=(MODEL,), block=BlockConfig(),
-        capacity_blocks=4096, engine="sim")
+    router = static_router([], policy="priced", weights=Weights(), models=(MODEL,),
+                           block=BlockConfig(), capacity_blocks=4096, engine="sim")
     cfg = GatewayConfig(grpc_address=f"127.0.0.1:{grpc_port}", admin_port=admin_port,
                         options=GatewayOptions(max_body_bytes=50_000), scrape_interval_s=0.1)
     with GatewayThread(router, cfg) as gw:
@@ -160,9 +160,7 @@ def embedded():
         pool = router.pools["default"]
         gw.call(lambda: [pool.upsert_worker(a, labels={"engine": "sim"})
                          for a in stack.worker_addresses])
-        gw.gateway.config  # noqa: B018
         try:
-            import time
             deadline = time.time() + 10
             while not all(w.metrics for w in pool.workers.values()):
                 assert time.time() < deadline, "workers never scraped"
@@ -188,7 +186,6 @@ def test_every_error_code_comes_back_through_envoy(embedded) -> None:
     gw.call(lambda: [pool.set_ready(a, True) for a in pool.workers])
 
     gw.gateway.scraper.interval_s = 3600  # freeze scraped state while we fake a full pool
-    import time
     time.sleep(0.3)
     now = time.time()
     gw.call(lambda: [pool.update_metrics(a, WorkerMetrics(waiting=10_000, running=64,
@@ -221,3 +218,35 @@ def test_gateway_down(fail_open: bool) -> None:
             assert "x-cachepilot-decision-id" not in r.headers
         else:
             assert r.status_code == 500
+
+
+def test_decisions_are_recorded_with_live_outcomes_and_no_prompt_text(tmp_path) -> None:
+    from cachepilot.record import open_log
+
+    log = tmp_path / "decisions"
+    marker = "PURPLE-ELEPHANT-7731 "
+    with LocalStack(StackConfig(workers=2, speed=4.0, decision_log=str(log))) as stack:
+        ids = []
+        with httpx.Client(base_url=stack.url, timeout=30) as c:
+            for i in range(2):
+                body = chat(f"q{i}", prefix=marker * 200, stream=True,
+                            stream_options={"include_usage": True})
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    ids.append(r.headers["x-cachepilot-decision-id"])
+                    r.read()
+        time.sleep(0.5)  # the recorder commits in the background
+        admin = httpx.get(f"{stack.admin_url}/decisions/{ids[1]}", timeout=10).json()
+        assert admin["record"]["chosen"] in stack.worker_addresses
+        assert admin["explanation"]
+    store = open_log(str(log))
+    try:
+        rec = store.get(ids[1])
+    finally:
+        store.close()
+    assert rec["id"] == ids[1] and len(rec["candidates"]) == 2
+    out = rec["outcome"]
+    assert out["status"] == 200 and out["ttft_ms"] > 0
+    assert out["cached_tokens"] > 0  # the second request reused the first one's prefix
+    raw = b"".join(p.read_bytes() for p in log.rglob("*") if p.is_file())
+    assert marker.encode() not in raw

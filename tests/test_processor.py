@@ -22,8 +22,8 @@ class Sink:
         self.decisions: list = []
         self.outcomes: dict[str, dict] = {}
 
-    def decision(self, d) -> None:
-        self.decisions.append(d)
+    def decision(self, d, pool=None, *, prompt=None) -> None:
+        self.decisions.append((d, prompt))
 
     def outcome(self, decision_id: str, **fields) -> None:
         self.outcomes[decision_id] = fields

@@ -71,10 +71,16 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
 @click.option("--scrape-interval", type=float, default=0.25, show_default=True)
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
+@click.option("--decision-log", default=None, help="Record every decision (LMDB directory).")
+@click.option("--capture-prompts", is_flag=True,
+              help="Also store raw prompt text in the decision log (off: hashes only).")
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+              help="Fit each worker's prefill and queue costs to measured TTFTs.")
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, models: tuple[str, ...], engine: str, scrape_interval: float,
-                max_body_bytes: int, policy: str, weights: str | None, block_size: int,
+                max_body_bytes: int, decision_log: str | None, capture_prompts: bool,
+                calibrate: bool, policy: str, weights: str | None, block_size: int,
                 chars_per_token: float, capacity_blocks: int) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot_extproc.server import Gateway, GatewayConfig, serve
@@ -89,7 +95,9 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            capacity_blocks=capacity_blocks, engine=engine)
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
-                           options=GatewayOptions(max_body_bytes=max_body_bytes))
+                           decision_log=decision_log, calibrate=calibrate,
+                           options=GatewayOptions(max_body_bytes=max_body_bytes,
+                                                  capture_prompts=capture_prompts))
 
     def ready(gw: Gateway) -> None:
         click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "

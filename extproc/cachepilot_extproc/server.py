@@ -17,6 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cachepilot.calibration import Calibrator
+from cachepilot.record import open_recorder
+from cachepilot.record.explain import summary
 from cachepilot.routing.router import Router
 from cachepilot_extproc.gateway_metrics import GatewayMetrics
 from cachepilot_extproc.scrape import Scraper
@@ -24,7 +27,6 @@ from cachepilot_extproc.service import (
     DecisionSink,
     ExtProcServicer,
     GatewayOptions,
-    NullSink,
     Processor,
 )
 
@@ -42,19 +44,25 @@ class GatewayConfig:
     scrape: bool = True  # off when the operator scrapes instead
     options: GatewayOptions | None = None
     grace_s: float = 5.0
+    decision_log: str | None = None  # record every decision here (LMDB directory)
+    calibrate: bool = True  # fit per-worker prefill and queue costs to measured TTFTs
 
 
 class Gateway:
     def __init__(self, router: Router, config: GatewayConfig | None = None,
-                 sink: DecisionSink | None = None,
-                 lookup: Callable[[str], dict[str, Any] | None] | None = None) -> None:
+                 sink: DecisionSink | None = None) -> None:
         self.router = router
         self.config = config or GatewayConfig()
         self.metrics = GatewayMetrics()
-        self.sink = sink or NullSink()
-        self.lookup = lookup  # decision id → record, when a recorder can read its log
+        options = self.config.options or GatewayOptions()
+        self.recorder = open_recorder(self.config.decision_log, router=router,
+                                      registry=self.metrics.registry,
+                                      capture_prompts=options.capture_prompts
+                                      ) if sink is None else None
+        self.sink: DecisionSink = sink or self.recorder  # type: ignore[assignment]
+        self.calibrator = Calibrator() if self.config.calibrate else None
         self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
-                                   options=self.config.options)
+                                   options=options, calibrator=self.calibrator)
         self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
                                timeout_s=self.config.scrape_timeout_s)
         self.health = health.aio.HealthServicer()
@@ -99,6 +107,8 @@ class Gateway:
         await self.scraper.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.recorder is not None:
+            self.recorder.close()
 
     # -- admin API ----------------------------------------------------------------------------
     def _admin_app(self) -> web.Application:
@@ -119,6 +129,7 @@ class Gateway:
         app.router.add_get("/workers", self._workers)
         app.router.add_get("/pools", self._pools)
         app.router.add_get("/decisions/{id}", self._decision)
+        app.router.add_get("/calibration", self._calibration)
         return app
 
     async def _healthz(self, _: web.Request) -> web.Response:
@@ -158,12 +169,18 @@ class Gateway:
             "distinct_blocks": p.directory.distinct_blocks()} for p in self.router.pools.values()])
 
     async def _decision(self, request: web.Request) -> web.Response:
-        if self.lookup is None:
-            return web.json_response({"error": "no decision log configured"}, status=404)
-        rec = self.lookup(request.match_info["id"])
+        if not self.config.decision_log or self.recorder is None:
+            return web.json_response({"error": "no decision log configured "
+                                               "(--decision-log)"}, status=404)
+        rec = self.recorder.get(request.match_info["id"])
         if rec is None:
             return web.json_response({"error": "no such decision"}, status=404)
-        return web.json_response(rec)
+        return web.json_response({"record": rec, "explanation": summary(rec)})
+
+    async def _calibration(self, _: web.Request) -> web.Response:
+        if self.calibrator is None:
+            return web.json_response({"error": "calibration is off"}, status=404)
+        return web.json_response(self.calibrator.estimates())
 
 
 async def serve(gateway: Gateway, ready: Callable[[Gateway], None] | None = None) -> None:

@@ -27,6 +27,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
+from cachepilot.calibration import Calibrator
+from cachepilot.record import NullRecorder
 from cachepilot.routing.decision import Decision
 from cachepilot.routing.request import RequestError, inference_path, parse_openai_body
 from cachepilot.routing.router import Router
@@ -45,24 +47,18 @@ _TAIL = 512  # bytes of the previous chunk kept so a split "cached_tokens" is st
 
 
 class DecisionSink(Protocol):
-    """Where decisions and their outcomes go (cachepilot.record's recorder, or nothing)."""
+    """Where decisions and their outcomes go: cachepilot.record's Recorder or NullRecorder."""
 
-    def decision(self, decision: Decision) -> None: ...
+    def decision(self, decision: Decision, pool: Any = None, *,
+                 prompt: str | None = None) -> Any: ...
 
-    def outcome(self, decision_id: str, **fields: Any) -> None: ...
-
-
-class NullSink:
-    def decision(self, decision: Decision) -> None:
-        pass
-
-    def outcome(self, decision_id: str, **fields: Any) -> None:
-        pass
+    def outcome(self, decision_id: str, **fields: Any) -> Any: ...
 
 
 @dataclass
 class GatewayOptions:
     max_body_bytes: int = 8 * 1024 * 1024
+    capture_prompts: bool = False  # hand raw prompts to the sink (off: hashes only)
 
 
 def _headers(pairs: dict[str, str]) -> ep.HeaderMutation:
@@ -110,10 +106,12 @@ class Processor:
 
     def __init__(self, router: Router, *, metrics: GatewayMetrics | None = None,
                  sink: DecisionSink | None = None, options: GatewayOptions | None = None,
+                 calibrator: Calibrator | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.router = router
         self.metrics = metrics or GatewayMetrics()
-        self.sink = sink or NullSink()
+        self.sink: DecisionSink = sink or NullRecorder()
+        self.calibrator = calibrator
         self.options = options or GatewayOptions()
         self.clock = clock
         self._passthrough_seq = 0
@@ -185,7 +183,11 @@ class Processor:
         m.decisions.labels(decision.pool, decision.policy, "routed").inc()
         if decision.predicted_hit:
             m.predicted_hits.labels(decision.pool).inc()
-        self.sink.decision(decision)
+        pool = self.router.pools.get(decision.pool)
+        if self.calibrator is not None and pool is not None:
+            self.calibrator.routed(decision, pool)
+        self.sink.decision(decision, pool,
+                           prompt=req.prompt if self.options.capture_prompts else None)
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
         out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)))]
@@ -233,6 +235,8 @@ class Processor:
             if ex.first_token_s is None and msg.body:
                 ex.first_token_s = self.clock() - ex.started
                 self.router.first_token(d)
+                if self.calibrator is not None and ex.stream:  # a real first token
+                    self.calibrator.observe(d.id, ex.first_token_s * 1000.0)
             window = ex.tail + msg.body
             found = _CACHED_RE.findall(window) or _CACHE_N_RE.findall(window)
             if found:
@@ -249,9 +253,11 @@ class Processor:
         ex.done = True
         d = ex.decision
         self.router.release(d)
+        if self.calibrator is not None:
+            self.calibrator.forget(d.id)
         ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
         pool = d.pool
-        if ttft_s is not None and not aborted:
+        if ex.stream and ttft_s is not None and not aborted:  # only real first tokens
             self.metrics.ttft_error.labels(pool).observe(
                 abs(ttft_s * 1000.0 - d.winner.predicted_ttft_ms))
         if ex.cached_tokens is not None:
