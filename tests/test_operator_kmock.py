@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -152,6 +153,10 @@ class Operator:
             self.router, namespace=NS, stop_flag=self.stop, ready_flag=self.ready,
             identity=identity, login=login, scrape=scraper, options=options))
 
+    @staticmethod
+    def default_options(**changes: Any) -> OperatorOptions:
+        return dataclasses.replace(FAST, **changes)
+
     async def __aenter__(self) -> Operator:
         await asyncio.wait_for(self.ready.wait(), 10)
         return self
@@ -167,7 +172,7 @@ class Operator:
         out: collections.Counter[str] = collections.Counter()
         for i in range(n):
             d = self.router.route(InferenceRequest(model=model, prompt=f"q{i} " * 50),
-                                  time.monotonic())
+                                  time.time())
             self.router.release(d)
             out[d.chosen] += 1
         return out
@@ -322,7 +327,7 @@ async def test_stale_and_failing_scrapes_show_in_status_and_are_avoided(
         assert line["stale"] is True and "refused" in line["scrapeError"]
         assert set(op.route(30)) == {"10.0.0.2:8000", "10.0.0.3:8000"}
         decision = op.router.route(InferenceRequest(model="m1", prompt="x" * 200),
-                                   time.monotonic())
+                                   time.time())
         filtered = {c.worker: c.filtered for c in decision.candidates}
         assert filtered["10.0.0.1:8000"] == "stale"
         # Every worker failing: Ready=False, MetricsStale, and the router answers 429.

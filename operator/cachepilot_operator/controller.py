@@ -113,7 +113,7 @@ class Controller:
     def __init__(self, router: Router, *, namespace: str, scrape: ScrapeFn,
                  session: aiohttp.ClientSession, client: KubeClient | None,
                  identity: str, options: OperatorOptions,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.time,
                  wall: Callable[[], float] = time.time) -> None:
         self.router = router
         self.namespace = namespace

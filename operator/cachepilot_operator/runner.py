@@ -149,15 +149,16 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
                        identity: str | None = None,
                        login: LoginFn | None = None,
                        scrape: ScrapeFn | None = None,
-                       clock: Callable[[], float] = time.monotonic,
+                       clock: Callable[[], float] = time.time,
                        options: OperatorOptions | None = None) -> None:
     """Watch CachePilotPools and their pods in ``namespace`` and keep ``router`` in step,
     until ``stop_flag`` is set. Call it as a task on the gateway's event loop.
 
-    ``clock`` must be the clock the gateway passes to ``Router.route(now=...)``: scrapes are
-    stamped with it and staleness is judged against it. ``ready_flag`` is set once kopf has
-    started watching. Raises if the first login fails; later API trouble is retried (kopf's
-    watcher is restarted with backoff), never raised into the gateway.
+    ``clock`` must be the clock the gateway passes to ``Router.route(now=...)`` (the gateway
+    uses ``time.time``): scrapes are stamped with it and staleness is judged against it.
+    ``ready_flag`` is set once kopf has started watching. Raises if the first login fails;
+    later API trouble is retried (kopf's watcher is restarted with backoff), never raised
+    into the gateway.
     """
     options = options or OperatorOptions()
     login = login or default_login
@@ -220,7 +221,7 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
                     lease_duration_s=options.lease_duration_s,
                     renew_deadline_s=options.lease_renew_deadline_s,
                     retry_period_s=options.lease_retry_period_s,
-                    on_change=controller.set_leader, clock=clock)
+                    on_change=controller.set_leader)
                 tg.create_task(elector.run(stop_flag), name="lease")
             tg.create_task(controller.resync_loop(stop_flag), name="resync")
             await kopf_task

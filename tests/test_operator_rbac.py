@@ -1,0 +1,85 @@
+"""Least privilege, checked by behaviour: run the real operator against KMock through every
+path it has (watch, resync, scrape, status, Events, Lease take-over and release), record
+each API request it makes, and require the chart's Role to allow each one, and to allow
+nothing the operator never used."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import yaml
+from test_operator_kmock import (
+    NS,
+    PODS,
+    POOLS,
+    Cluster,
+    Operator,
+    Scraper,
+    cluster,  # noqa: F401  (the fixture)
+    eventually,
+    pod,
+    pool,
+    three_pods,
+)
+
+CHART = Path(__file__).resolve().parents[1] / "charts" / "cachepilot"
+DISCOVERY = re.compile(r"^/(api|apis)(/[^/]+){0,2}/?$")
+RESOURCE = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/[^/]+)"
+                      r"/namespaces/(?P<ns>[^/]+)/(?P<res>[^/]+)(?:/(?P<name>[^/]+))?"
+                      r"(?:/(?P<sub>[^/]+))?$")
+
+
+def rbac_request(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str, str]:
+    m = RESOURCE.match(path)
+    assert m, f"unexpected API path {path}"
+    group = "" if m["core"] else m["group"]
+    resource = m["res"] + (f"/{m['sub']}" if m["sub"] else "")
+    name = m["name"] or ""
+    verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method)
+    if verb is None:
+        verb = "watch" if query.get("watch") in ("true", "1") else ("get" if name else "list")
+    assert m["ns"] == NS
+    return group, resource, verb, name
+
+
+def allowed(rules: list[dict[str, Any]], req: tuple[str, str, str, str]) -> bool:
+    group, resource, verb, name = req
+    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+               and (not r.get("resourceNames") or name in r["resourceNames"]) for r in rules)
+
+
+async def test_role_allows_exactly_what_the_operator_does(cluster: Cluster) -> None:  # noqa: F811
+    rendered = helm.Chart.load(CHART).render(None, name="cp", namespace=NS)
+    role = next(d for d in yaml.safe_load_all(rendered["cachepilot/templates/rbac.yaml"])
+                if d["kind"] == "Role")
+    lease_name = role["rules"][-1]["resourceNames"][0]
+    options = Operator.default_options(lease_name=lease_name)
+    test_paths = {("POST", PODS), ("POST", POOLS), ("DELETE", f"{PODS}/w1"),
+                  ("POST", f"{PODS}/w4")}
+    await three_pods(cluster)
+    async with Operator(cluster, Scraper(), "gw-a", options) as a:
+        await cluster.create(POOLS, pool("p"))
+        await eventually(lambda: cluster.condition("p")["status"] == "True")
+        async with Operator(cluster, Scraper(), "gw-b", options):
+            await cluster.delete(f"{PODS}/w1")
+            await cluster.create(PODS, pod("w4", "10.0.0.4"))
+            await eventually(lambda: cluster.status("p").get("workers") == 3)
+            await a.__aexit__()  # releases the lease; gw-b takes over
+            await eventually(lambda: cluster.status("p").get("writer") == "gw-b")
+            await asyncio.sleep(0.6)  # a resync round
+    used = set()
+    for r in cluster.kmock:
+        path = r.url.path
+        if DISCOVERY.match(path) or (r.method.value, path) in test_paths:
+            continue
+        used.add(rbac_request(r.method.value, path, dict(r.url.query)))
+    denied = {u for u in used if not allowed(role["rules"], u)}
+    assert denied == set()
+    # Every rule is needed: each (group, resource, verb) granted was used.
+    granted = {(g, res, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for res in rule["resources"] for v in rule["verbs"]}
+    assert granted == {(g, res, v) for g, res, v, _ in used}
