@@ -235,8 +235,13 @@ class Processor:
             if ex.first_token_s is None and msg.body:
                 ex.first_token_s = self.clock() - ex.started
                 self.router.first_token(d)
-                if self.calibrator is not None and ex.stream:  # a real first token
-                    self.calibrator.observe(d.id, ex.first_token_s * 1000.0)
+                if ex.stream:  # a real first token: let the cost model and policy learn
+                    ttft_ms = ex.first_token_s * 1000.0
+                    if self.calibrator is not None:
+                        self.calibrator.observe(d.id, ttft_ms)
+                    pool = self.router.pools.get(d.pool)
+                    if pool is not None:
+                        pool.policy.observe(d, ttft_ms)
             window = ex.tail + msg.body
             found = _CACHED_RE.findall(window) or _CACHE_N_RE.findall(window)
             if found:
