@@ -300,7 +300,7 @@ class LlamaStack:
         deadline = time.monotonic() + timeout_s
         while True:
             code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
-            rec = json.loads(body) if code == 200 else None
+            rec = json.loads(body)["record"] if code == 200 else None
             if rec is not None and (not with_outcome or rec.get("outcome")):
                 return rec
             if time.monotonic() > deadline:
@@ -354,12 +354,13 @@ def _main() -> None:
 @click.option("--decision-log", default=None)
 @click.option("--scrape-interval", type=float, default=0.25)
 @click.option("--scrape-timeout", type=float, default=5.0)
+@click.option("--calibrate/--no-calibrate", default=True,
+              help="Online calibration of prefill and queue costs from streamed TTFTs.")
 def gateway_process(listen: str, admin_port: int, workers: str, policy: str, block_size: int,
                     chars_per_token: float, capacity_blocks: int, cost_json: str,
-                    decision_log: str | None, scrape_interval: float,
-                    scrape_timeout: float) -> None:
+                    decision_log: str | None, scrape_interval: float, scrape_timeout: float,
+                    calibrate: bool) -> None:
     """The gateway with a llama.cpp cost model and an optional decision log."""
-    from cachepilot.record.recorder import Recorder
     from cachepilot.routing.cost import Weights
     from cachepilot.routing.fingerprint import BlockConfig
     from cachepilot_extproc.cli import static_router
@@ -371,15 +372,10 @@ def gateway_process(listen: str, admin_port: int, workers: str, policy: str, blo
                            block=BlockConfig(block_size, chars_per_token),
                            capacity_blocks=capacity_blocks, engine="llamacpp",
                            cost=CostModel(**json.loads(cost_json)))
-    recorder = Recorder(decision_log, durable=False) if decision_log else None
     config = GatewayConfig(grpc_address=listen, admin_port=admin_port,
-                           scrape_interval_s=scrape_interval, scrape_timeout_s=scrape_timeout)
-    gw = Gateway(router, config, sink=recorder, lookup=recorder.get if recorder else None)
-    try:
-        asyncio.run(serve(gw))
-    finally:
-        if recorder is not None:
-            recorder.close()
+                           scrape_interval_s=scrape_interval, scrape_timeout_s=scrape_timeout,
+                           decision_log=decision_log, calibrate=calibrate)
+    asyncio.run(serve(Gateway(router, config)))
 
 
 # -- the workload ---------------------------------------------------------------------------
@@ -546,7 +542,8 @@ def plot(phases: dict[str, list[Sample]], path: Path) -> None:
             data.append(v or [float("nan")])
     ax.boxplot(data, showfliers=True)
     ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
-    ax.set_yscale("log")
+    if any(v == v for group in data for v in group):  # any measured value (NaN != NaN)
+        ax.set_yscale("log")
     ax.set_ylabel("TTFT at the client (ms, log)")
     ax.set_title("TTFT by the gateway's prediction")
     ax = axes[1]
@@ -554,11 +551,12 @@ def plot(phases: dict[str, list[Sample]], path: Path) -> None:
         v = sorted(s.ttft_ms for s in samples if s.ok and s.ttft_ms is not None)
         if v:
             ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
-    ax.set_xscale("log")
+    if ax.lines:
+        ax.set_xscale("log")
+        ax.legend()
     ax.set_xlabel("TTFT (ms, log)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF, same traffic")
-    ax.legend()
     fig.suptitle("Gemma 3 270M on llama.cpp, 2 workers x 1 thread, via Envoy + CachePilot")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

