@@ -57,9 +57,12 @@ async def test_role_allows_exactly_what_the_operator_does(cluster: Cluster) -> N
     role = next(d for d in yaml.safe_load_all(rendered["cachepilot/templates/rbac.yaml"])
                 if d["kind"] == "Role")
     lease_name = role["rules"][-1]["resourceNames"][0]
+    # The chart creates the Lease; so does this "helm install".
+    lease = yaml.safe_load(rendered["cachepilot/templates/lease.yaml"])
+    await cluster.create(f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases", lease)
     options = Operator.default_options(lease_name=lease_name)
     test_paths = {("POST", PODS), ("POST", POOLS), ("DELETE", f"{PODS}/w1"),
-                  ("POST", f"{PODS}/w4")}
+                  ("POST", f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases")}
     await three_pods(cluster)
     async with Operator(cluster, Scraper(), "gw-a", options) as a:
         await cluster.create(POOLS, pool("p"))
