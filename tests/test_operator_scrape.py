@@ -1,0 +1,91 @@
+"""The operator with its default scraper (the gateway's ``scrape_once``) against real
+simulated workers: three ``cachepilot sim-worker`` apps on 127.0.0.1-3, pods pointing at
+them in KMock. Metrics must flow from the workers' /metrics into the router, and load sent
+to one worker must show up there and in the pool's status."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from test_operator_kmock import (
+    PODS,
+    POOLS,
+    Cluster,
+    Operator,
+    cluster,  # noqa: F401  (the fixture)
+    eventually,
+    pod,
+    pool,
+)
+
+from cachepilot.worker.server import WorkerConfig, make_app
+from cachepilot_extproc.scrape import scrape_once
+from cachepilot_operator.runner import default_scrape
+
+pytestmark = pytest.mark.timeout(60)
+HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[int]:
+    port = free_port()
+    runners = []
+    for i, host in enumerate(HOSTS):
+        runner = web.AppRunner(make_app(WorkerConfig(name=f"w{i}", speed=1.0)))
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        runners.append(runner)
+    try:
+        yield port
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_real_scrapes_of_sim_workers_reach_router_and_status(
+        cluster: Cluster, workers: int) -> None:  # noqa: F811
+    port = workers
+    assert default_scrape() is scrape_once
+    for i, host in enumerate(HOSTS):
+        await cluster.create(PODS, pod(f"w{i}", host, port=port))
+    async with Operator(cluster, None, "gw-0") as op:  # scrape=None: the default scraper
+        await cluster.create(POOLS, pool("p", models=["sim-llama-8b"], scrape={
+            "intervalSeconds": 0.1, "engine": "sim"}))
+        addrs = {f"{h}:{port}" for h in HOSTS}
+        await eventually(lambda: set(op.workers()) == addrs and all(
+            w.metrics is not None for w in op.router.pools["p"].workers.values()))
+        w = op.router.pools["p"].workers[f"127.0.0.2:{port}"]
+        assert w.metrics.waiting == 0 and w.metrics.kv_usage is not None
+        assert w.metrics.num_blocks and w.metrics.block_size  # vllm:cache_config_info
+        assert w.scrape_error is None
+
+        # Load on one worker shows up in its scraped queue.
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "sim-llama-8b", "prompt": "x " * 2000, "max_tokens": 200}
+            url = f"http://127.0.0.2:{port}/v1/completions"
+            tasks = [asyncio.create_task(http.post(url, json=body)) for _ in range(6)]
+            busy = await eventually(lambda: (w.metrics.running + w.metrics.waiting) > 0 and w)
+            assert busy.metrics.running >= 1
+            await eventually(lambda: any(
+                line["address"] == f"127.0.0.2:{port}" and line.get("running", 0) >= 1
+                for line in cluster.status("p").get("workerStatus", [])))
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        # A worker that stops answering becomes an error, then stale, in the router.
+        await cluster.patch(f"{PODS}/w0", {"status": {"podIP": "127.0.0.9"}})
+        await eventually(lambda: op.router.pools["p"].workers.get(f"127.0.0.9:{port}")
+                         and op.router.pools["p"].workers[f"127.0.0.9:{port}"].scrape_error)
+        assert f"127.0.0.1:{port}" not in op.workers()
