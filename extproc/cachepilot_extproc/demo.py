@@ -16,12 +16,17 @@ from cachepilot_extproc.loadgen import Summary, Workload, run, summarize
 from cachepilot_extproc.stack import LocalStack, StackConfig
 
 PHASES = (("round_robin", "round_robin"), ("cachepilot", "priced"))
+# Each worker's KV cache holds 3,072 blocks of 16 tokens (49k tokens): fewer than the shared
+# prompts need (32 × ~4k tokens), more than a third of them do. The regime where placement
+# matters: round robin makes every worker hold every prompt; locality splits them.
+WORKER_KV_BLOCKS = 3072
 
 
 def run_phase(policy: str, workload: Workload, progress: Progress, task_label: str,
               decision_log: str | None = None) -> tuple[Summary, str]:
     task = progress.add_task(task_label, total=int(workload.rate * workload.duration_s))
-    config = StackConfig(policy=policy, decision_log=decision_log)
+    config = StackConfig(policy=policy, decision_log=decision_log,
+                         worker_args=("--num-blocks", str(WORKER_KV_BLOCKS)))
     with LocalStack(config) as stack:
         results, wall = asyncio.run(run(stack.url, workload,
                                         lambda done, _n: progress.update(task, completed=done)))
@@ -39,9 +44,11 @@ def demo_cmd(as_json: bool, duration: float, rate: float, decision_log: str | No
     """Round robin vs CachePilot on the local stack (Envoy + gateway + 3 simulated workers)."""
     workload = Workload(duration_s=duration, rate=rate)
     console = Console(stderr=True)
+    kv_tokens = WORKER_KV_BLOCKS * 16
     console.print(f"[bold]CachePilot demo[/]: {workload.groups} shared system prompts of "
-                  f"~{workload.prefix_chars // 4} tokens, {rate:g} req/s for {duration:g}s "
-                  "per policy, 3 simulated vLLM workers behind Envoy")
+                  f"~{workload.prefix_chars // 4:,} tokens, {rate:g} req/s for {duration:g}s "
+                  f"per policy, through Envoy to 3 simulated vLLM workers with "
+                  f"{kv_tokens:,} tokens of KV cache each")
     out: dict[str, dict[str, object]] = {}
     with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=as_json) as progress:

@@ -27,7 +27,7 @@ class Workload:
     """Shared-prefix chat traffic: ``groups`` long system documents, each request one of them
     (uniformly) plus a short unique question."""
 
-    groups: int = 16
+    groups: int = 32
     prefix_chars: int = 16_000  # ≈4k tokens at 4 chars/token
     suffix_chars: int = 400
     max_tokens: int = 32
