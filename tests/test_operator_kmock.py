@@ -20,7 +20,13 @@ import kmock as K
 import kopf
 import pytest
 
-from cachepilot.routing import InferenceRequest, Router, RoutingError, WorkerMetrics
+from cachepilot.routing import (
+    InferenceRequest,
+    RequestError,
+    Router,
+    RoutingError,
+    WorkerMetrics,
+)
 from cachepilot_operator import OperatorOptions, run_operator
 from cachepilot_operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
@@ -209,6 +215,36 @@ async def test_ready_pods_become_workers_and_scrapes_reach_the_router(cluster: C
             {"type": "Ready", "status": "True"}]}})
         await cluster.create(PODS, pod("w5", "10.0.0.5"))
         await eventually(lambda: op.workers()["10.0.0.4:8000"] and op.workers()["10.0.0.5:8000"])
+
+
+async def test_several_pools_route_by_model_to_their_own_workers(cluster: Cluster) -> None:
+    for i in (1, 2):
+        await cluster.create(PODS, pod(f"a{i}", f"10.0.1.{i}", labels={"app": "a"}))
+        await cluster.create(PODS, pod(f"b{i}", f"10.0.2.{i}", labels={"app": "b"}))
+    await cluster.create(PODS, pod("ab", "10.0.3.1", labels={"app": "a", "tier": "b"}))
+    async with Operator(cluster, Scraper(), "gw-0") as op:
+        await cluster.create(POOLS, pool("pa", models=["ma"],
+                                         selector={"matchLabels": {"app": "a"}}))
+        await cluster.create(POOLS, pool("pb", models=["mb"], selector={"matchExpressions": [
+            {"key": "app", "operator": "In", "values": ["b"]}]}))
+        await cluster.create(POOLS, pool("pab", models=["mab"], selector={"matchExpressions": [
+            {"key": "tier", "operator": "Exists"}]}))
+        await eventually(lambda: all(w.metrics for p in op.router.pools.values()
+                                     for w in p.workers.values())
+                         and len(op.router.pools) == 3)
+        assert set(op.route(20, "ma")) <= {"10.0.1.1:8000", "10.0.1.2:8000", "10.0.3.1:8000"}
+        assert set(op.route(20, "mb")) == {"10.0.2.1:8000", "10.0.2.2:8000"}
+        assert set(op.route(5, "mab")) == {"10.0.3.1:8000"}  # a pod may serve two pools
+        # Relabelling a pod moves it between pools.
+        await cluster.patch(f"{PODS}/b2", {"metadata": {"labels": {"app": "a"}}})
+        await eventually(lambda: "10.0.2.2:8000" in op.workers("pa")
+                         and "10.0.2.2:8000" not in op.workers("pb"))
+        await cluster.delete(f"{POOLS}/pb")
+        await eventually(lambda: "pb" not in op.router.pools)
+        with pytest.raises(RequestError) as e:
+            op.route(1, "mb")
+        assert e.value.status == 404
+        assert len(op.workers("pa")) == 4
 
 
 async def test_not_ready_terminating_and_deleted_pods_get_no_new_requests(

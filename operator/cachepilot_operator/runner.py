@@ -162,6 +162,11 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     """
     options = options or OperatorOptions()
     login = login or default_login
+    # kopf logs every handled event at INFO (each pod status update); keep the gateway's log
+    # readable unless someone configured kopf's loggers on purpose.
+    for name in ("kopf.objects", "kopf.activities"):
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
     identity = identity or default_identity()
     info = await asyncio.to_thread(login)
     client = KubeClient(info, backoffs=options.api_backoffs)
