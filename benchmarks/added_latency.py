@@ -1,7 +1,8 @@
 """Latency that Envoy + CachePilot's ext_proc add over Envoy straight to a worker.
 
-Three Envoys share one simulated worker (run so fast that its engine time is ~0): a plain
-Envoy routing to it, Envoy + gateway, and Envoy + gateway without response observation.
+Four Envoys share one simulated worker (run so fast that its engine time is ~0): a plain
+Envoy routing to it, Envoy + a no-op ext_proc server (grpc.aio, answers at once: the cost of
+the mechanism itself), Envoy + gateway, and Envoy + gateway without response observation.
 Requests (non-streamed, ~8k-token prompts) go to the three in turn at ``--rate`` requests/s
 each, so machine noise lands on all of them alike; the figures are differences of
 percentiles measured in one run.
@@ -18,18 +19,24 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import aiohttp
+import grpc
 import numpy as np
 import orjson
 import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from cachepilot_extproc.envoy_config import EnvoyOptions, build_bootstrap
+from cachepilot_extproc.service import DESTINATION_HEADER
 from cachepilot_extproc.stack import envoy_binary, free_port, http_get
 
 
@@ -43,6 +50,46 @@ def direct_bootstrap(port: int, admin: int, worker: str) -> dict:
     vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
     vhost["routes"] = vhost["routes"][1:]  # only the fallback (static) route
     return cfg
+
+
+class NoopProcessor(ep_grpc.ExternalProcessorServicer):
+    """Names the worker without reading anything: what ext_proc costs before any routing."""
+
+    def __init__(self, worker: str) -> None:
+        self.set = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=[
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
+                key=DESTINATION_HEADER, raw_value=worker.encode()))]))
+
+    async def Process(self, requests, context):  # type: ignore[no-untyped-def]
+        chunks = 0
+        async for msg in requests:
+            if msg.HasField("request_body"):
+                chunks += 1
+                if msg.request_body.end_of_stream:
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+                        response=self.set))
+                    for _ in range(chunks):
+                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+
+
+def start_noop(worker: str) -> int:
+    """Run the no-op processor on its own loop in a thread; returns its port."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(worker), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    _KEEP.append(server)
+    return port
+
+
+_KEEP: list[object] = []
 
 
 def main() -> None:
@@ -67,8 +114,12 @@ def main() -> None:
     spawn("gateway", [*cp, "gateway", "--listen", f"127.0.0.1:{gport}", "--admin-port",
                       str(aport), "--workers", worker, "--engine", "sim"])
     paths: dict[str, int] = {}
+    noop_port = start_noop(worker)
     configs = {
         "envoy → worker": direct_bootstrap(free_port(), free_port(), worker),
+        "envoy + no-op ext_proc": build_bootstrap(EnvoyOptions(
+            listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
+            ext_proc_port=noop_port, observe_responses=False)),
         "envoy + cachepilot": build_bootstrap(EnvoyOptions(
             listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
             ext_proc_port=gport)),
