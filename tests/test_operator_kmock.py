@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -467,6 +468,21 @@ async def test_only_the_lease_holder_writes_and_a_successor_takes_over(
         await eventually(lambda: cluster.status("p").get("writer") == "gw-b"
                          and cluster.status("p")["workers"] == 2)
         assert any(e["reportingInstance"] == "gw-b" for e in cluster.events("WorkerLeft"))
+
+
+async def test_cancelling_the_operator_stops_kopf_and_releases_the_lease(
+        cluster: Cluster) -> None:
+    await three_pods(cluster)
+    op = await Operator(cluster, Scraper(), "gw-0").__aenter__()
+    await cluster.create(POOLS, pool("p"))
+    await eventually(lambda: cluster.status("p").get("writer") == "gw-0")
+    assert any(t.name == "kopf" for t in threading.enumerate())
+    op.task.cancel()  # what a gateway does if it cancels its tasks instead of stop_flag
+    with pytest.raises(asyncio.CancelledError):
+        await op.task
+    assert not any(t.name == "kopf" for t in threading.enumerate())
+    lease = cluster.obj("coordination.k8s.io/v1/leases", "cachepilot-gateway")
+    assert not lease["spec"].get("holderIdentity")
 
 
 async def test_operator_writes_nothing_to_pods_or_pool_specs(cluster: Cluster) -> None:

@@ -190,15 +190,20 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
                       functools.partial(loop.call_soon_threadsafe, ended.set_result)))
             thread.start()
             stopper = asyncio.ensure_future(stop_flag.wait())
-            while not ended.done():
-                await asyncio.wait({ended, stopper}, timeout=0.05,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if ready.is_set() and ready_flag is not None:
-                    ready_flag.set()
-                if stop_flag.is_set():
-                    stop.set()
-            stopper.cancel()
-            error = ended.result()
+            try:
+                while not ended.done():
+                    await asyncio.wait({ended, stopper}, timeout=0.05,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if ready.is_set() and ready_flag is not None:
+                        ready_flag.set()
+                    if stop_flag.is_set():
+                        stop.set()
+            except asyncio.CancelledError:  # the gateway cancelled us instead of stop_flag
+                stop.set()
+                await asyncio.to_thread(thread.join, 10)
+                raise
+            finally:
+                error = ended.result()
             await asyncio.to_thread(thread.join)
             if stop_flag.is_set():
                 return
