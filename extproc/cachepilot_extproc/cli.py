@@ -76,12 +76,14 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="Also store raw prompt text in the decision log (off: hashes only).")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="Fit each worker's prefill and queue costs to measured TTFTs.")
+@click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
+              help="As in envoy-config: Envoy streams responses through the gateway.")
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, models: tuple[str, ...], engine: str, scrape_interval: float,
                 max_body_bytes: int, decision_log: str | None, capture_prompts: bool,
-                calibrate: bool, policy: str, weights: str | None, block_size: int,
-                chars_per_token: float, capacity_blocks: int) -> None:
+                calibrate: bool, observe_responses: bool, policy: str, weights: str | None,
+                block_size: int, chars_per_token: float, capacity_blocks: int) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot_extproc.server import Gateway, GatewayConfig, serve
     from cachepilot_extproc.service import GatewayOptions
@@ -97,7 +99,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
                            decision_log=decision_log, calibrate=calibrate,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
-                                                  capture_prompts=capture_prompts))
+                                                  capture_prompts=capture_prompts,
+                                                  observe_responses=observe_responses))
 
     def ready(gw: Gateway) -> None:
         click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "

@@ -124,18 +124,28 @@ class LlamaWorkerSpec:
                 "--no-webui", "--no-repack", *self.extra_args]
 
 
-# Measured here for Gemma 3 270M: a saved ~680-token prompt state took 26.8 MiB.
-PROMPT_CACHE_BYTES_PER_TOKEN = 40_000
+# Measured here for Gemma 3 270M: one saved ~680-token prompt state took 26.8 MiB of the
+# prompt cache, mostly sliding-window checkpoints (7.5 MiB each), so nearly flat in length.
+PROMPT_STATE_MIB = 27
+
+
+def prompts_held(spec: LlamaWorkerSpec, state_mib: float = PROMPT_STATE_MIB) -> int:
+    """Prompts one worker keeps: one per slot, plus what fits in the prompt cache."""
+    return spec.parallel + int(max(0, spec.cache_ram_mib) // state_mib)
 
 
 def directory_capacity_blocks(spec: LlamaWorkerSpec, block_size: int = 16,
-                              bytes_per_token: int = PROMPT_CACHE_BYTES_PER_TOKEN) -> int:
-    """Blocks the gateway's directory should assume one llama worker holds: every slot full,
-    plus what the prompt cache can keep (an upper bound; see the module docstring)."""
-    tokens = spec.parallel * spec.ctx_per_slot
-    if spec.cache_ram_mib > 0:
-        tokens += spec.cache_ram_mib * 2**20 // bytes_per_token
-    return max(1, tokens // block_size)
+                              prompt_tokens: int | None = None) -> int:
+    """Blocks the gateway's directory should assume one llama worker holds.
+
+    llama.cpp caches whole prompts, so this is prompts held x blocks per prompt. Give the
+    typical prompt length when it is known: a capacity above the truth keeps the root blocks
+    of overwritten prompts in the directory and turns them into false hit predictions
+    (the directory evicts least recently used blocks and keeps roots longest), one below
+    it only shortens the predicted match. Without it, each prompt is assumed to fill its slot
+    (an upper bound)."""
+    tokens = prompt_tokens or spec.ctx_per_slot
+    return max(1, prompts_held(spec) * tokens // block_size)
 
 
 def threads_per_worker(workers: int, budget: int = CPU_BUDGET) -> int:
@@ -196,7 +206,10 @@ class LlamaStack:
     port: int = 0  # Envoy's listener; 0: a free port
     block_size: int = 16
     max_tokens: int = 8  # typical completion length, for the cost model's queue terms
-    capacity_blocks: int | None = None  # None: directory_capacity_blocks(spec)
+    capacity_blocks: int | None = None  # None: directory_capacity_blocks(spec, prompt length)
+    prompt_tokens: int | None = None  # typical prompt length; None: prompts fill their slots
+    typical_prompt: str | None = None  # or a typical (flattened) prompt, measured in tokens
+    # the way the gateway estimates them (UTF-8 bytes / calibrated chars per token)
     log_dir: str | None = None
     model: Path | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -255,7 +268,10 @@ class LlamaStack:
         assert self.spec is not None and self.calibration is not None
         self.gateway_port, self.admin_port = free_port(), free_port()
         cal = self.calibration
-        capacity = self.capacity_blocks or directory_capacity_blocks(self.spec, self.block_size)
+        if self.prompt_tokens is None and self.typical_prompt is not None:
+            self.prompt_tokens = int(len(self.typical_prompt.encode()) / cal.chars_per_token)
+        capacity = self.capacity_blocks = self.capacity_blocks or directory_capacity_blocks(
+            self.spec, self.block_size, self.prompt_tokens)
         cost = cal.cost_model(self.max_tokens)
         self._spawn("gateway", [
             sys.executable, "-m", "cachepilot_extproc.llamacpp", "gateway",
@@ -589,8 +605,8 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
                 "worker_spec": asdict(stack.spec),
                 # Other processes on the machine skew TTFT: the 1-min load before and after.
                 "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                "directory_capacity_blocks": stack.capacity_blocks
-                or directory_capacity_blocks(stack.spec, stack.block_size)}
+                "directory_capacity_blocks": stack.capacity_blocks,
+                "directory_prompt_tokens": stack.prompt_tokens}
         if echo:
             r = result[name]
             echo(f"{name}: TTFT p50 {r['ttft_all']['p50_ms']} ms; predicted hits p50 "

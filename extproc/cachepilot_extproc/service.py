@@ -59,6 +59,9 @@ class DecisionSink(Protocol):
 class GatewayOptions:
     max_body_bytes: int = 8 * 1024 * 1024
     capture_prompts: bool = False  # hand raw prompts to the sink (off: hashes only)
+    # Must match Envoy's config: off, the stream ends with the request phase, so a request
+    # stops counting as in flight once routed and no outcome is recorded.
+    observe_responses: bool = True
 
 
 def _headers(pairs: dict[str, str]) -> ep.HeaderMutation:
@@ -97,7 +100,6 @@ class Exchange:
     chunks: int = 0  # request body messages not yet answered
     inference: bool = False
     done: bool = False
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Processor:
@@ -260,6 +262,8 @@ class Processor:
         self.router.release(d)
         if self.calibrator is not None:
             self.calibrator.forget(d.id)
+        if not self.options.observe_responses:
+            return
         ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
         pool = d.pool
         if ex.stream and ttft_s is not None and not aborted:  # only real first tokens

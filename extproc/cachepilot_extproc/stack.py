@@ -115,6 +115,8 @@ class LocalStack:
                 args += ["--weights", c.weights]
             if c.decision_log:
                 args += ["--decision-log", c.decision_log]
+            if not c.observe_responses:
+                args += ["--no-observe-responses"]
             self._spawn("gateway", args)
         self.envoy_port = c.port or free_port()
         self.envoy_admin_port = free_port()
