@@ -10,6 +10,9 @@ import aiohttp
 import pytest
 
 from cachepilot.metrics import parse_metrics
+from cachepilot.routing.directory import PrefixDirectory
+from cachepilot.routing.fingerprint import BlockConfig, fingerprint
+from cachepilot.routing.request import flatten_messages
 from cachepilot_extproc import llamacpp
 from cachepilot_extproc.llamacpp import (
     LlamaStack,
@@ -45,12 +48,39 @@ def test_busy_metrics_count_deferred_as_waiting() -> None:
     assert (m.running, m.waiting) == (1, 3)
 
 
-def test_directory_capacity_from_slots_and_prompt_cache() -> None:
+def test_directory_capacity_is_prompts_held_times_prompt_blocks() -> None:
     spec = LlamaWorkerSpec(parallel=2, ctx_per_slot=1024, cache_ram_mib=0)
-    assert directory_capacity_blocks(spec, 16) == 2 * 1024 // 16
+    assert llamacpp.prompts_held(spec) == 2
+    assert directory_capacity_blocks(spec, 16) == 2 * 1024 // 16  # prompts fill their slots
+    assert directory_capacity_blocks(spec, 16, prompt_tokens=578) == 2 * 578 // 16
     with_ram = LlamaWorkerSpec(parallel=1, ctx_per_slot=1024, cache_ram_mib=64)
-    assert directory_capacity_blocks(with_ram, 16, bytes_per_token=40_000) == (
-        1024 + 64 * 2**20 // 40_000) // 16
+    assert llamacpp.prompts_held(with_ram, state_mib=27) == 1 + 2
+    assert directory_capacity_blocks(with_ram, 16, prompt_tokens=500) == 3 * 500 // 16
+
+
+def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
+    """With capacity = one prompt's blocks, routing prompt B to a one-slot worker removes
+    every block of prompt A from the directory, as llama.cpp overwrites the slot; one slot's
+    worth of context would keep A's root blocks and predict a hit that cannot happen."""
+    w = RealWorkload(groups=2, p_unique=0.0, seed=1)
+    prompts = {}
+    for label, body in w.bodies():
+        prompts.setdefault(label, body)
+    cfg = BlockConfig(16, 5.8)
+    a, b = (fingerprint("m", cfg, text=flatten_messages(prompts[k]["messages"]))
+            for k in ("shared-0", "shared-1"))
+    tokens = int(len(w.typical_prompt().encode()) / 5.8)
+    for capacity, a_left in ((directory_capacity_blocks(LlamaWorkerSpec(), 16, tokens), 0),
+                             (directory_capacity_blocks(LlamaWorkerSpec(), 16), None)):
+        d = PrefixDirectory(capacity)
+        d.add_worker("w")
+        d.insert("w", a.hashes)
+        d.insert("w", b.hashes)
+        left = d.match(a.hashes, ["w"])["w"]
+        if a_left is not None:
+            assert left == a_left
+        else:
+            assert left > 0  # the upper bound keeps A's roots: a false hit prediction
 
 
 def test_worker_args(monkeypatch: pytest.MonkeyPatch) -> None:

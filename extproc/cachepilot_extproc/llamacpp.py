@@ -424,6 +424,13 @@ class RealWorkload:
     max_tokens: int = 8
     seed: int = 11
 
+    def typical_prompt(self) -> str:
+        """The flattened text of a shared-document request, as the gateway hashes it."""
+        from cachepilot.routing.request import flatten_messages
+
+        body = next(b for label, b in self.bodies() if label.startswith("shared"))
+        return flatten_messages(body["messages"])
+
     def bodies(self) -> list[tuple[str, dict[str, Any]]]:
         """(document label, request body) for each request, the same for every policy."""
         rng = random.Random(self.seed)
@@ -541,11 +548,12 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     }
 
 
-def plot(phases: dict[str, list[Sample]], path: Path) -> None:
+def plot(phases: dict[str, list[Sample]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     ax = axes[0]
@@ -560,6 +568,9 @@ def plot(phases: dict[str, list[Sample]], path: Path) -> None:
     ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
     if any(v == v for group in data for v in group):  # any measured value (NaN != NaN)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_ylabel("TTFT at the client (ms, log)")
     ax.set_title("TTFT by the gateway's prediction")
     ax = axes[1]
@@ -569,11 +580,14 @@ def plot(phases: dict[str, list[Sample]], path: Path) -> None:
             ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
     if ax.lines:
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend()
     ax.set_xlabel("TTFT (ms, log)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF, same traffic")
-    fig.suptitle("Gemma 3 270M on llama.cpp, 2 workers x 1 thread, via Envoy + CachePilot")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -583,16 +597,21 @@ PHASES = (("cachepilot", "priced"), ("round_robin", "round_robin"))
 
 
 def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
-                   echo: Any = None) -> dict[str, Any]:
-    """Each policy on a fresh stack (fresh caches), the same requests; figures and a plot."""
+                   echo: Any = None, full_slots: bool = False) -> dict[str, Any]:
+    """Each policy on a fresh stack (fresh caches), the same requests; figures and a plot.
+    The directory assumes one typical prompt per slot, or with ``full_slots`` prompts that
+    fill their slots' context (the upper bound an operator gets without a prompt length)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"workload": asdict(workload), "workers": workers}
+    result: dict[str, Any] = {"workload": asdict(workload), "workers": workers,
+                              "directory_assumes": "full slots" if full_slots
+                              else "one typical prompt per slot"}
     phases: dict[str, list[Sample]] = {}
     for name, policy in PHASES:
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
         stack = LlamaStack(workers=workers, policy=policy, max_tokens=workload.max_tokens,
-                           log_dir=str(out_dir / f"logs-{name}"))
+                           log_dir=str(out_dir / f"logs-{name}"),
+                           typical_prompt=None if full_slots else workload.typical_prompt())
         with stack:
             if echo:
                 echo(f"{name}: {workers} llama-server workers up in "
@@ -615,7 +634,10 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
                  f"recall {r['recall']}")
     (out_dir / "samples.json").write_bytes(orjson.dumps(
         {k: [asdict(s) for s in v] for k, v in phases.items()}, option=orjson.OPT_INDENT_2))
-    plot(phases, out_dir / "real_model.png")
+    spec = result[PHASES[0][0]]["worker_spec"]
+    plot(phases, out_dir / "real_model.png",
+         f"Gemma 3 270M on llama.cpp: {workers} workers x {spec['threads']} thread(s), "
+         f"{spec['parallel']} slot(s) each, through Envoy + the CachePilot gateway")
     result["plot"] = str(out_dir / "real_model.png")
     (out_dir / "results.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return result
@@ -629,15 +651,19 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
 @click.option("--rate", type=float, default=RealWorkload.rate, show_default=True)
 @click.option("--workers", type=int, default=2, show_default=True)
 @click.option("--seed", type=int, default=RealWorkload.seed, show_default=True)
+@click.option("--assume-full-slots", is_flag=True,
+              help="Size the directory as if every prompt filled its slot's context "
+              "(the upper bound), instead of one typical prompt per slot.")
 def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, workers: int,
-                   seed: int) -> None:
+                   seed: int, assume_full_slots: bool) -> None:
     """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp."""
     why = installed()
     if why:
         raise click.ClickException(why)
     workload = replace(RealWorkload(), requests=requests, rate=rate, seed=seed)
     echo = None if as_json else (lambda m: click.echo(m, err=True))
-    result = run_experiment(workload, Path(out_dir), workers=workers, echo=echo)
+    result = run_experiment(workload, Path(out_dir), workers=workers, echo=echo,
+                            full_slots=assume_full_slots)
     if as_json:
         click.echo(orjson.dumps(result).decode())
         return
@@ -662,12 +688,15 @@ def _table(result: dict[str, Any]) -> None:
 
 # -- cachepilot up --engine llamacpp ---------------------------------------------------------
 def run_up(workers: int = 2, port: int = 8080, policy: str = "priced",
-           echo: Any = click.echo) -> None:
-    """Run Envoy + gateway + llama-server workers (Gemma 3 270M) until interrupted."""
+           prompt_tokens: int | None = None, echo: Any = click.echo) -> None:
+    """Run Envoy + gateway + llama-server workers (Gemma 3 270M) until interrupted.
+    ``prompt_tokens``: typical prompt length, for the directory's capacity (see
+    :func:`directory_capacity_blocks`)."""
     why = installed()
     if why:
         raise click.ClickException(why)
-    stack = LlamaStack(workers=workers, policy=policy, port=port).start()
+    stack = LlamaStack(workers=workers, policy=policy, port=port,
+                       prompt_tokens=prompt_tokens).start()
     echo(f"CachePilot is up: {stack.url}/v1  (model {MODEL_NAME} on llama.cpp, "
          f"{workers} workers: {', '.join(stack.worker_addresses)})")
     echo(f"  gateway admin: {stack.admin_url}/workers  decisions: "
