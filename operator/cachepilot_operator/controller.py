@@ -127,6 +127,9 @@ class Controller:
         self.pods: dict[str, PodView] = {}
         self.pools: dict[str, PoolState] = {}
         self.is_leader = not options.elect_leader
+        # Events from before the first election round are held, then posted if we won:
+        # otherwise workers found at startup would never get their WorkerJoined.
+        self._held: list[dict[str, Any]] | None = [] if options.elect_leader else None
         self._events: asyncio.Queue[dict[str, Any]] = asyncio.Queue(options.max_events_queued)
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._seen_at: dict[tuple[str, str], float] = {}  # (kind, name) → last watch event
@@ -135,6 +138,11 @@ class Controller:
 
     def set_leader(self, leader: bool) -> None:
         self.is_leader = leader
+        held, self._held = self._held, None
+        for event in held or []:
+            if leader:
+                with contextlib.suppress(asyncio.QueueFull):
+                    self._events.put_nowait(event)
         if leader:  # write every pool's status at once, whatever the last leader wrote
             for ps in self.pools.values():
                 ps.last_status, ps.last_patch_at = None, float("-inf")
@@ -437,7 +445,7 @@ class Controller:
     def emit(self, ps: PoolState, type_: str, reason: str, message: str) -> None:
         """Queue an Event about pool ``ps`` (only the leader posts; others would duplicate)."""
         log.info("pool %s: %s %s: %s", ps.name, type_, reason, message)
-        if not self.is_leader or self.client is None:
+        if self.client is None or (not self.is_leader and self._held is None):
             return
         now = self.wall()
         stamp = rfc3339(now)
@@ -452,6 +460,10 @@ class Controller:
             "reportingInstance": self.identity,
             "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }
+        if self._held is not None:
+            if len(self._held) < self.options.max_events_queued:
+                self._held.append(event)
+            return
         with contextlib.suppress(asyncio.QueueFull):  # never block routing on Events
             self._events.put_nowait(event)
 

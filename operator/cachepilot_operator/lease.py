@@ -58,8 +58,14 @@ class LeaderElector:
         self._observed: tuple[Any, Any] | None = None  # (holder, renewTime) last seen
         self._observed_at = 0.0
         self._last_renew = 0.0
+        self._decided = False
 
     def _set(self, leader: bool) -> None:
+        # The first round always reports, so a follower learns it is one (and can drop
+        # what it held back while the election was undecided).
+        first, self._decided = not self._decided, True
+        if first and leader == self.is_leader and self.on_change:
+            self.on_change(leader)
         if leader != self.is_leader:
             self.is_leader = leader
             log.info("%s %s leadership of lease %s/%s", self.identity,
@@ -127,9 +133,10 @@ class LeaderElector:
                     ok = None  # unknown: keep leading until the renew deadline passes
                 if ok:
                     self._set(True)
-                elif ok is False or (  # another holder or a lost race (409), or…
-                        self.is_leader  # …no renewal within the deadline
-                        and self.clock() - self._last_renew >= self.renew_deadline_s):
+                elif (ok is False  # another holder, or a lost race (409)
+                      or not self._decided  # unreachable at start: not leading
+                      or (self.is_leader  # no renewal within the deadline
+                          and self.clock() - self._last_renew >= self.renew_deadline_s)):
                     self._set(False)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.retry_period_s)
