@@ -5,6 +5,7 @@ Kubernetes' own schemas (kubernetes-validate), and the chart's hard rules assert
 from __future__ import annotations
 
 import base64
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +276,14 @@ def test_values_schema_accepts_the_documented_values(chart: helm.Chart) -> None:
     chart.validate_schema(NON_DEFAULT)
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     assert chart.values == defaults
+
+
+def test_envoy_accepts_the_charts_config(tmp_path: Path) -> None:
+    from cachepilot_extproc.stack import envoy_binary
+
+    config = tmp_path / "envoy.yaml"
+    config.write_text((CHART / "files" / "envoy.yaml").read_text())
+    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout + proc.stderr
