@@ -70,8 +70,9 @@ def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
     a, b = (fingerprint("m", cfg, text=flatten_messages(prompts[k]["messages"]))
             for k in ("shared-0", "shared-1"))
     tokens = int(len(w.typical_prompt().encode()) / 5.8)
-    for capacity, a_left in ((directory_capacity_blocks(LlamaWorkerSpec(), 16, tokens), 0),
-                             (directory_capacity_blocks(LlamaWorkerSpec(), 16), None)):
+    one_slot = LlamaWorkerSpec(parallel=1, cache_ram_mib=0)
+    for capacity, a_left in ((directory_capacity_blocks(one_slot, 16, tokens), 0),
+                             (directory_capacity_blocks(one_slot, 16), None)):
         d = PrefixDirectory(capacity)
         d.add_worker("w")
         d.insert("w", a.hashes)
@@ -85,7 +86,8 @@ def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
 
 def test_worker_args(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llamacpp, "server_binary", lambda: Path("/opt/llama-server"))
-    args = LlamaWorkerSpec(threads=1, parallel=2, ctx_per_slot=512).args(Path("m.gguf"), 9)
+    spec = LlamaWorkerSpec(threads=1, parallel=2, ctx_per_slot=512, cache_ram_mib=0)
+    args = spec.args(Path("m.gguf"), 9)
     assert args[0] == "/opt/llama-server"
     joined = " ".join(args)
     assert "-t 1" in joined and "-np 2" in joined and "-c 1024" in joined

@@ -7,19 +7,21 @@ What a llama.cpp worker caches, and what the directory assumes
 -------------------------------------------------------------
 llama-server keeps one prompt per *slot* (``-np``): a new request goes to the idle slot whose
 last prompt shares the longest prefix with it (LCP similarity), else to the least recently
-used slot, whose old prompt is then overwritten. With the host-RAM *prompt cache*
-(``--cache-ram`` MiB, on by default with 8 GiB) an overwritten slot's state is saved first and
-restored later when a prompt matches it; for Gemma 3 270M one ~700-token prompt state measured
-~27 MiB here (mostly sliding-window checkpoints), so the default 8 GiB holds some 300 prompts.
+used slot, whose old prompt is then overwritten. A busy slot's prefix is not shared: a second
+request for it in another slot prefills from scratch, so we run one slot per worker and let
+such a request wait (``requests_deferred``) and then hit. With the host-RAM *prompt cache*
+(``--cache-ram`` MiB; llama-server's default is 8 GiB) an overwritten slot's state is saved
+and restored later, least recently used first out; for Gemma 3 270M one ~580-token prompt
+state measured 29 MiB here (mostly sliding-window checkpoints), whatever its length.
 
-The gateway's directory counts blocks with LRU eviction, so its capacity for a llama worker
-is set in blocks: ``slots * ctx_per_slot / block_size`` plus, with a prompt cache,
-``cache_ram / bytes_per_token / block_size`` (:func:`directory_capacity_blocks`). That is an
-upper bound: llama.cpp evicts whole prompts, one per slot, so when prompts are shorter than a
-slot's context the worker holds fewer blocks than the directory allows for and some predicted
-hits will be misses. The experiment measures how often (precision/recall in
-docs/real-model.md). We run workers with ``--cache-ram 0`` by default, so that capacity is
-just the slots and routing has something to decide on a small machine.
+So a llama worker holds whole prompts: ``slots + cache_ram / state size`` of them
+(:func:`prompts_held`). The gateway's directory counts blocks with LRU eviction, so its
+capacity for a llama worker is prompts held x blocks of a typical prompt
+(:func:`directory_capacity_blocks`). Too large a capacity is what costs precision: the
+directory evicts leaves first and keeps a shared root longest (right for vLLM's block cache),
+so the roots of a prompt llama.cpp has already dropped would still match and predict a hit.
+Without a prompt length we assume prompts fill their slot (an upper bound); the experiment
+measures both settings (docs/real-model.md).
 
 Other llama.cpp facts this module encodes (all observed on this machine):
 
@@ -112,7 +114,9 @@ class LlamaWorkerSpec:
     # waits for it (and hits) instead of prefilling it again in a second slot.
     parallel: int = 1
     ctx_per_slot: int = 1024  # tokens; -c is parallel * ctx_per_slot
-    cache_ram_mib: int = 0  # host-RAM prompt cache; 0: off (capacity = the slots)
+    # Host-RAM prompt cache (llama-server's default is 8192 MiB, some 280 prompts here):
+    # 64 MiB keeps 2 prompts besides the slot's, so capacity matters on a small workload.
+    cache_ram_mib: int = 64
     batch: int = 256  # -b/-ub: tokens per decode call; bounds how long /metrics waits
     extra_args: tuple[str, ...] = ()
 
@@ -124,9 +128,9 @@ class LlamaWorkerSpec:
                 "--no-webui", "--no-repack", *self.extra_args]
 
 
-# Measured here for Gemma 3 270M: one saved ~680-token prompt state took 26.8 MiB of the
-# prompt cache, mostly sliding-window checkpoints (7.5 MiB each), so nearly flat in length.
-PROMPT_STATE_MIB = 27
+# Measured here for Gemma 3 270M: a saved 580-680-token prompt state takes 27-29 MiB of the
+# prompt cache, mostly its 3 sliding-window checkpoints (7.5 MiB each): nearly flat in length.
+PROMPT_STATE_MIB = 29
 
 
 def prompts_held(spec: LlamaWorkerSpec, state_mib: float = PROMPT_STATE_MIB) -> int:
@@ -417,7 +421,9 @@ class RealWorkload:
 
     requests: int = 60
     rate: float = 0.4  # requests/s
-    groups: int = 2  # shared documents: 2 workers x 1 slot hold them both, once partitioned
+    # Shared documents: more than one worker holds (3 prompts), fewer than two workers hold
+    # once partitioned, so placement decides the hit rate.
+    groups: int = 4
     doc_words: int = 500
     question_words: int = 20
     p_unique: float = 0.15  # share of requests with a one-off document
@@ -597,7 +603,8 @@ PHASES = (("cachepilot", "priced"), ("round_robin", "round_robin"))
 
 
 def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
-                   echo: Any = None, full_slots: bool = False) -> dict[str, Any]:
+                   echo: Any = None, full_slots: bool = False,
+                   spec: LlamaWorkerSpec | None = None) -> dict[str, Any]:
     """Each policy on a fresh stack (fresh caches), the same requests; figures and a plot.
     The directory assumes one typical prompt per slot, or with ``full_slots`` prompts that
     fill their slots' context (the upper bound an operator gets without a prompt length)."""
@@ -610,6 +617,7 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
         stack = LlamaStack(workers=workers, policy=policy, max_tokens=workload.max_tokens,
+                           spec=spec,
                            log_dir=str(out_dir / f"logs-{name}"),
                            typical_prompt=None if full_slots else workload.typical_prompt())
         with stack:
@@ -651,19 +659,29 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
 @click.option("--rate", type=float, default=RealWorkload.rate, show_default=True)
 @click.option("--workers", type=int, default=2, show_default=True)
 @click.option("--seed", type=int, default=RealWorkload.seed, show_default=True)
+@click.option("--groups", type=int, default=RealWorkload.groups, show_default=True,
+              help="Shared documents.")
+@click.option("--cache-ram", "cache_ram_mib", type=int,
+              default=LlamaWorkerSpec.cache_ram_mib, show_default=True,
+              help="Each worker's prompt cache in MiB (0: only the slot).")
+@click.option("--slots", type=int, default=LlamaWorkerSpec.parallel, show_default=True,
+              help="llama-server -np per worker.")
 @click.option("--assume-full-slots", is_flag=True,
               help="Size the directory as if every prompt filled its slot's context "
               "(the upper bound), instead of one typical prompt per slot.")
 def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, workers: int,
-                   seed: int, assume_full_slots: bool) -> None:
+                   seed: int, groups: int, cache_ram_mib: int, slots: int,
+                   assume_full_slots: bool) -> None:
     """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp."""
     why = installed()
     if why:
         raise click.ClickException(why)
-    workload = replace(RealWorkload(), requests=requests, rate=rate, seed=seed)
+    workload = replace(RealWorkload(), requests=requests, rate=rate, seed=seed, groups=groups)
+    spec = LlamaWorkerSpec(threads=threads_per_worker(workers), parallel=slots,
+                           cache_ram_mib=cache_ram_mib)
     echo = None if as_json else (lambda m: click.echo(m, err=True))
     result = run_experiment(workload, Path(out_dir), workers=workers, echo=echo,
-                            full_slots=assume_full_slots)
+                            full_slots=assume_full_slots, spec=spec)
     if as_json:
         click.echo(orjson.dumps(result).decode())
         return
