@@ -24,8 +24,7 @@ from test_operator_kmock import (
 )
 
 from cachepilot.worker.server import WorkerConfig, make_app
-from cachepilot_extproc.scrape import scrape_once
-from cachepilot_operator.runner import default_scrape
+from cachepilot_operator.runner import default_login
 
 pytestmark = pytest.mark.timeout(60)
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
@@ -56,7 +55,6 @@ async def workers() -> AsyncIterator[int]:
 async def test_real_scrapes_of_sim_workers_reach_router_and_status(
         cluster: Cluster, workers: int) -> None:  # noqa: F811
     port = workers
-    assert default_scrape() is scrape_once
     for i, host in enumerate(HOSTS):
         await cluster.create(PODS, pod(f"w{i}", host, port=port))
     async with Operator(cluster, None, "gw-0") as op:  # scrape=None: the default scraper
@@ -89,3 +87,20 @@ async def test_real_scrapes_of_sim_workers_reach_router_and_status(
         await eventually(lambda: op.router.pools["p"].workers.get(f"127.0.0.9:{port}")
                          and op.router.pools["p"].workers[f"127.0.0.9:{port}"].scrape_error)
         assert f"127.0.0.1:{port}" not in op.workers()
+
+
+def test_default_login_reads_a_kubeconfig(tmp_path, monkeypatch) -> None:
+    """Outside a pod (no service account) the operator logs in with the kubeconfig."""
+    cfg = tmp_path / "kubeconfig"
+    cfg.write_text("""apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:6443"}}]
+users: [{name: u, user: {token: abc}}]
+contexts: [{name: x, context: {cluster: c, user: u, namespace: serving}}]
+current-context: x
+""")
+    monkeypatch.setenv("KUBECONFIG", str(cfg))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    info = default_login()
+    assert info.server == "https://127.0.0.1:6443" and info.token == "abc"
+    assert info.default_namespace == "serving"

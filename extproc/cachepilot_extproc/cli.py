@@ -66,6 +66,12 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @click.option("--admin-token", envvar="CACHEPILOT_ADMIN_TOKEN", default=None,
               help="Bearer token for the admin API (required when it is not on loopback).")
 @click.option("--workers", default="", help="Static workers, ip:port,ip:port (no Kubernetes).")
+@click.option("--kubernetes", is_flag=True,
+              help="Pools and workers from CachePilotPools (the operator runs in-process).")
+@click.option("--namespace", envvar="POD_NAMESPACE", default="default", show_default=True,
+              help="With --kubernetes: the namespace whose pools and pods to watch.")
+@click.option("--lease-name", default="cachepilot-gateway", show_default=True,
+              help="With --kubernetes: the Lease that picks the replica writing status.")
 @click.option("--model", "models", multiple=True, help="Models this pool serves (default: any).")
 @click.option("--engine", default="vllm", show_default=True,
               type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
@@ -80,7 +86,8 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="As in envoy-config: Envoy streams responses through the gateway.")
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
-                workers: str, models: tuple[str, ...], engine: str, scrape_interval: float,
+                workers: str, kubernetes: bool, namespace: str, lease_name: str,
+                models: tuple[str, ...], engine: str, scrape_interval: float,
                 max_body_bytes: int, decision_log: str | None, capture_prompts: bool,
                 calibrate: bool, observe_responses: bool, policy: str, weights: str | None,
                 block_size: int, chars_per_token: float, capacity_blocks: int) -> None:
@@ -92,11 +99,15 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     if admin_host not in ("127.0.0.1", "localhost", "::1") and not admin_token:
         raise click.UsageError("the admin API leaves loopback only with --admin-token")
     addrs = [w.strip() for w in workers.split(",") if w.strip()]
-    router = static_router(addrs, policy=policy, weights=parse_weights(weights), models=models,
-                           block=BlockConfig(block_size, chars_per_token),
-                           capacity_blocks=capacity_blocks, engine=engine)
+    if kubernetes and addrs:
+        raise click.UsageError("--workers and --kubernetes exclude each other")
+    router = Router() if kubernetes else static_router(
+        addrs, policy=policy, weights=parse_weights(weights), models=models,
+        block=BlockConfig(block_size, chars_per_token), capacity_blocks=capacity_blocks,
+        engine=engine)
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
+                           scrape=not kubernetes,  # the operator scrapes at each pool's interval
                            decision_log=decision_log, calibrate=calibrate,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
@@ -106,7 +117,17 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "
                    f"admin http://{admin_host}:{gw.admin_port}", err=True)
 
-    asyncio.run(serve(Gateway(router, config), ready))
+    gateway = Gateway(router, config)
+
+    async def main() -> None:
+        if kubernetes:
+            from cachepilot_operator import OperatorOptions, run_operator
+
+            gateway.add_task(run_operator(router, namespace=namespace, stop_flag=asyncio.Event(),
+                                          options=OperatorOptions(lease_name=lease_name)))
+        await serve(gateway, ready)
+
+    asyncio.run(main())
 
 
 @click.command("envoy-config")

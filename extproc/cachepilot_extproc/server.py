@@ -68,7 +68,8 @@ class Gateway:
         self.health = health.aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Future[Any]] = []
+        self.failed = asyncio.Event()
         self.grpc_port = 0
         self.admin_port = 0
 
@@ -93,8 +94,17 @@ class Gateway:
                  self.config.admin_host, self.admin_port)
 
     def add_task(self, coro: Awaitable[Any]) -> None:
-        """Run something (the operator) for the gateway's lifetime."""
-        self._tasks.append(asyncio.ensure_future(coro))
+        """Run something (the operator) for the gateway's lifetime; cancelled at stop().
+        If it fails, the gateway stops too: better a visible crash loop than routing on a
+        view that no longer updates."""
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Future[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed; stopping", exc_info=task.exception())
+            self.failed.set()
 
     async def stop(self) -> None:
         """Graceful: report NOT_SERVING, let open streams finish for ``grace_s``, then stop."""
@@ -192,5 +202,10 @@ async def serve(gateway: Gateway, ready: Callable[[Gateway], None] | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gateway.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
     await gateway.stop()
+    if gateway.failed.is_set():
+        raise SystemExit(1)

@@ -34,7 +34,8 @@ from typing import Any
 import aiohttp
 import kopf
 
-from cachepilot.routing import Router, WorkerMetrics
+from cachepilot.routing import Router
+from cachepilot_extproc.scrape import scrape_once
 from cachepilot_operator import crd
 from cachepilot_operator.controller import Controller, OperatorOptions, ScrapeFn
 from cachepilot_operator.kube import KubeClient
@@ -48,8 +49,9 @@ LoginFn = Callable[[], kopf.ConnectionInfo]
 def default_login() -> kopf.ConnectionInfo:
     """In a pod: the service account. Elsewhere: the kubeconfig (KUBECONFIG or ~/.kube)."""
     logger = logging.getLogger("cachepilot_operator.login")
-    info = kopf.login_with_service_account(logger=logger)
-    info = info or kopf.login_with_kubeconfig(logger=logger)
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings, logger=logger)
+    info = info or kopf.login_with_kubeconfig(settings=settings, logger=logger)
     if info is None:
         raise kopf.LoginError("no service account and no kubeconfig to log in with")
     return info
@@ -58,25 +60,6 @@ def default_login() -> kopf.ConnectionInfo:
 def default_identity() -> str:
     """Unique per replica: the pod name (HOSTNAME) plus a random suffix for restarts."""
     return f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.urandom(3).hex()}"
-
-
-def default_scrape() -> ScrapeFn:
-    """The gateway's scraper when present; a minimal equivalent otherwise."""
-    try:
-        from cachepilot_extproc.scrape import scrape_once
-    except ImportError:
-        return _fallback_scrape_once
-    return scrape_once
-
-
-async def _fallback_scrape_once(session: aiohttp.ClientSession, url: str, engine: str,
-                                timeout_s: float, now: Callable[[], float]) -> WorkerMetrics:
-    from cachepilot.metrics import parse_metrics
-
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        resp.raise_for_status()
-        text = await resp.text()
-    return parse_metrics(text, engine, now())
 
 
 def build_registry(controller: Controller, login: Callable[[], kopf.ConnectionInfo],
@@ -171,7 +154,7 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     info = await asyncio.to_thread(login)
     client = KubeClient(info, backoffs=options.api_backoffs)
     session = aiohttp.ClientSession()
-    controller = Controller(router, namespace=namespace, scrape=scrape or default_scrape(),
+    controller = Controller(router, namespace=namespace, scrape=scrape or scrape_once,
                             session=session, client=client, identity=identity,
                             options=options, clock=clock)
     loop = asyncio.get_running_loop()
