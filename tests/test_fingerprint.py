@@ -1,7 +1,8 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachepilot.routing.fingerprint import BlockConfig, chain_hashes, fingerprint
+from cachepilot.routing.fingerprint import BlockConfig, chain_hashes, fingerprint, load_tokenizer
 
 CFG = BlockConfig(block_size=4, chars_per_token=2.0)  # 8-byte blocks keep examples small
 
@@ -51,3 +52,17 @@ def test_token_ids_and_tokenizer_use_token_blocks() -> None:
 def test_text_mode_estimates_tokens() -> None:
     fp = fingerprint("m", BlockConfig(16, 4.0), text="x" * 1000)
     assert fp.tokens == 250 and fp.blocks == 1000 // 64
+
+
+def test_hugging_face_tokenizer_file_gives_token_blocks(tmp_path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["[UNK]", "the", "cache", "holds", "every", "prefix", "block"]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    text = "the cache holds every prefix block " * 3
+    fp = fingerprint("m", CFG, text=text, tokenizer=load_tokenizer(str(path)))
+    ids = [vocab[w] for w in text.split()]
+    assert fp == fingerprint("m", CFG, token_ids=ids) and fp.tokens == 18

@@ -65,6 +65,17 @@ def test_openai_client_works_unchanged(stack: LocalStack) -> None:
     assert comp.choices[0].text
 
 
+def test_gateway_metrics_are_exposed(stack: LocalStack) -> None:
+    httpx.post(f"{stack.url}/v1/completions", timeout=30,
+               json={"model": MODEL, "prompt": "metrics", "max_tokens": 1})
+    httpx.post(f"{stack.url}/v1/completions", timeout=30, json={"model": MODEL})  # a 400
+    text = httpx.get(f"{stack.admin_url}/metrics", timeout=10).text
+    for name in ("cachepilot_decisions_total{", "cachepilot_decision_latency_seconds_bucket{",
+                 "cachepilot_worker_inflight{", "cachepilot_worker_kv_usage{",
+                 "cachepilot_request_errors_total{"):
+        assert name in text, name
+
+
 def test_client_cannot_choose_the_upstream(stack: LocalStack) -> None:
     """The destination header is stripped before routing: no request steering or SSRF."""
     with httpx.Client(base_url=stack.url, timeout=30) as c:

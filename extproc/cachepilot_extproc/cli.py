@@ -9,7 +9,7 @@ import sys
 import click
 
 from cachepilot.routing.cost import CostModel, Weights
-from cachepilot.routing.fingerprint import BlockConfig
+from cachepilot.routing.fingerprint import BlockConfig, Tokenizer, load_tokenizer
 from cachepilot.routing.policies import POLICIES
 from cachepilot.routing.pool import Pool, PoolSpec
 from cachepilot.routing.router import Router
@@ -33,14 +33,15 @@ def parse_weights(text: str | None) -> Weights:
 
 def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],
                   block: BlockConfig, capacity_blocks: int, engine: str,
-                  cost: CostModel | None = None, pool_name: str = "default") -> Router:
+                  cost: CostModel | None = None, pool_name: str = "default",
+                  tokenizer: Tokenizer | None = None) -> Router:
     """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
     spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
                     block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel())
     pool = Pool(spec)
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})
-    return Router([pool])
+    return Router([pool], tokenizer=tokenizer)
 
 
 def routing_options(f):  # type: ignore[no-untyped-def]
@@ -53,6 +54,8 @@ def routing_options(f):  # type: ignore[no-untyped-def]
         click.option("--chars-per-token", type=float, default=4.0, show_default=True),
         click.option("--capacity-blocks", type=int, default=4096, show_default=True,
                      help="Directory capacity per worker until the engine reports its own."),
+        click.option("--tokenizer", default=None, type=click.Path(exists=True, dir_okay=False),
+                     help="tokenizer.json of the served model: blocks of real tokens."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -90,7 +93,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 models: tuple[str, ...], engine: str, scrape_interval: float,
                 max_body_bytes: int, decision_log: str | None, capture_prompts: bool,
                 calibrate: bool, observe_responses: bool, policy: str, weights: str | None,
-                block_size: int, chars_per_token: float, capacity_blocks: int) -> None:
+                block_size: int, chars_per_token: float, capacity_blocks: int,
+                tokenizer: str | None) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot_extproc.server import Gateway, GatewayConfig, serve
     from cachepilot_extproc.service import GatewayOptions
@@ -101,10 +105,11 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     addrs = [w.strip() for w in workers.split(",") if w.strip()]
     if kubernetes and addrs:
         raise click.UsageError("--workers and --kubernetes exclude each other")
-    router = Router() if kubernetes else static_router(
+    tok = load_tokenizer(tokenizer) if tokenizer else None
+    router = Router(tokenizer=tok) if kubernetes else static_router(
         addrs, policy=policy, weights=parse_weights(weights), models=models,
         block=BlockConfig(block_size, chars_per_token), capacity_blocks=capacity_blocks,
-        engine=engine)
+        engine=engine, tokenizer=tok)
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
                            scrape=not kubernetes,  # the operator scrapes at each pool's interval

@@ -67,6 +67,17 @@ def model_seed(model: str) -> int:
     return xxh3_64_intdigest(model.encode())
 
 
+def load_tokenizer(path: str) -> Tokenizer:
+    """A Hugging Face ``tokenizer.json`` (the `tokenizers` library, optional extra): the
+    model's own ids make the gateway's blocks the engine's blocks."""
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:  # pragma: no cover - depends on the installed extras
+        raise RuntimeError("--tokenizer needs: pip install 'cachepilot[tokenizers]'") from None
+    tok = HFTokenizer.from_file(path)
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype=np.uint32).tobytes()
 
