@@ -11,12 +11,11 @@ from click.testing import CliRunner
 
 from cachepilot.routing import Weights
 from cachepilot.routing.decision import Candidate, Decision
-from cachepilot.routing.policies import POLICIES, Context
+from cachepilot.routing.policies import POLICIES, AdaptivePriced, Context
 from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.policies import (
     PEERS,
-    AdaptivePriced,
     DynamoKV,
     GIEDefault,
     KubeAICHWBL,

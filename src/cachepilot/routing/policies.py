@@ -4,11 +4,13 @@ instead of all of them landing on the first one (herding)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cachepilot.routing.cost import Weights
-from cachepilot.routing.decision import Candidate
+from cachepilot.routing.decision import Candidate, Decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,9 @@ class Policy:
 
     def observe(self, decision: object, ttft_ms: float | None) -> None:
         """Feedback hook for policies that learn from outcomes; stateless ones ignore it."""
+
+    def bind(self, pool: Any) -> None:
+        """Called when the policy is attached to a pool (to read its cost model)."""
 
 
 class RoundRobin(Policy):
@@ -75,8 +80,59 @@ class Priced(Policy):
         return [w.prefill * c.saved_ms - w.load * c.queue_ms - w.kv * c.kv_ms for c in cands]
 
 
+class AdaptivePriced(Policy):
+    """CachePilot's priced policy with a load weight learned online, so it needs no tuning.
+
+    The router predicts TTFT as ``base + prefill + queue + kv`` (ms). Each first token
+    gives a measured TTFT; the part of it the queue term should explain is
+    ``residual = ttft - base - prefill - kv`` of the chosen worker. The weight is the
+    exponentially weighted least-squares slope of residual on the predicted queue term,
+    ``w = Σ λ^k q·r / Σ λ^k q²`` (λ = ``decay`` per observation), clipped to
+    [``w_min``, ``w_max``]: when queues cost more than the model says, the load penalty
+    grows; when they cost less, locality gets more say. Decisions whose predicted queue is
+    below ``min_queue_ms`` carry no information about the slope and are skipped.
+    """
+
+    name = "adaptive"
+    tie_tolerance = 0.5
+
+    def __init__(self, initial: float = 1.0, decay: float = 0.99, w_min: float = 0.05,
+                 w_max: float = 16.0, min_queue_ms: float = 1.0, base_ms: float = 15.0) -> None:
+        self.load_weight = initial
+        self.decay = decay
+        self.w_min, self.w_max = w_min, w_max
+        self.min_queue_ms = min_queue_ms
+        self.base_ms = base_ms
+        self._sxy = 0.0
+        self._sxx = 0.0
+        self.updates = 0
+
+    def bind(self, pool: Any) -> None:
+        self.base_ms = pool.spec.cost.base_ttft_ms
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        w = ctx.weights
+        lw = self.load_weight
+        return [w.prefill * c.saved_ms - lw * c.queue_ms - w.kv * c.kv_ms for c in cands]
+
+    def observe(self, decision: object, ttft_ms: float | None) -> None:
+        if ttft_ms is None or not isinstance(decision, Decision):
+            return
+        c = decision.winner
+        q = c.queue_ms
+        if q < self.min_queue_ms:
+            return
+        r = ttft_ms - self.base_ms - c.prefill_ms - c.kv_ms
+        self._sxy = self.decay * self._sxy + q * r
+        self._sxx = self.decay * self._sxx + q * q
+        self.updates += 1
+        if self._sxx > 0:
+            w = self._sxy / self._sxx
+            self.load_weight = min(self.w_max, max(self.w_min, w)) if math.isfinite(w) else 1.0
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
-    p.name: p for p in (RoundRobin, LeastLoaded, OverlapOnly, Priced)
+    p.name: p for p in (RoundRobin, LeastLoaded, OverlapOnly, Priced, AdaptivePriced)
 }
 
 

@@ -32,6 +32,7 @@ class Pool:
     def __init__(self, spec: PoolSpec, policy: Policy | None = None) -> None:
         self.spec = spec
         self.policy = policy or make_policy(spec.policy)
+        self.policy.bind(self)
         self.workers: dict[str, WorkerState] = {}
         self.directory = PrefixDirectory(spec.capacity_blocks)
         self.seq = 0
@@ -45,6 +46,7 @@ class Pool:
         since old hashes would never match again)."""
         if spec.policy != self.spec.policy:
             self.policy = make_policy(spec.policy)
+            self.policy.bind(self)
         if spec.block != self.spec.block:
             self.directory = PrefixDirectory(spec.capacity_blocks)
             for w in self.workers:

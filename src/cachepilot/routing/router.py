@@ -118,11 +118,13 @@ class Router:
         i, margin = pick(values, pool.policy.tie_tolerance, xxh3_64_intdigest(decision_id.encode()))
         chosen = eligible[i]
         pool.seq += 1
+        learned = getattr(pool.policy, "load_weight", None)  # the adaptive weight in force
         return Decision(
             id=decision_id, time=now, pool=pool.name, model=model, policy=pool.policy.name,
             weights=pool.spec.weights.to_dict(), seq=ctx.seq, tokens=fp.tokens,
             block_size=fp.block_size, hashes=fp.hashes, candidates=cands,
             chosen=chosen.worker, margin_ms=margin, reason=_reason(chosen, eligible, margin),
+            extra={} if learned is None else {"load_weight": learned},
         )
 
     @staticmethod

@@ -198,9 +198,8 @@ class Simulator:
                     if self.on_decision is not None:
                         self.on_decision(None, out)
                     continue
-                lw = getattr(policy, "load_weight", None)
+                lw = d.extra.get("load_weight")  # set by the router for adaptive policies
                 if lw is not None:
-                    d.extra["load_weight"] = lw
                     weights_trace.append((t, lw))
                 if hook_after is not None:
                     hook_after(d, r)
