@@ -14,6 +14,8 @@ from cachepilot.sim.measures import summarize
 from cachepilot.sim.workloads import MODEL, read_trace, write_trace
 from cachepilot.worker.engine import EngineConfig
 
+from sim_calls import record_core_calls
+
 SHORT = 15.0
 
 
@@ -140,24 +142,8 @@ def test_simulator_and_direct_router_choose_the_same_worker():
     w = wl("hotspot", duration=10)
     cfg = SimConfig(policy="priced")
     sim = Simulator(cfg)
-    calls: list[tuple] = []
-    pool, router = sim.pool, sim.router
-    orig_update, orig_route = pool.update_metrics, router.route
-    orig_first, orig_release = router.first_token, router.release
-
-    def update(addr, m, error=None):
-        calls.append(("metrics", addr, m))
-        return orig_update(addr, m, error)
-
-    def route(req, now, decision_id=None):
-        d = orig_route(req, now, decision_id)
-        calls.append(("route", req, now, decision_id, d))
-        return d
-
-    pool.update_metrics = update
-    router.route = route
-    router.first_token = lambda d: (calls.append(("first", d.id)), orig_first(d))
-    router.release = lambda d: (calls.append(("release", d.id)), orig_release(d))
+    calls = record_core_calls(sim)
+    pool = sim.pool
     sim.run(w)
     assert sum(1 for c in calls if c[0] == "route") == len(w)
 
@@ -170,7 +156,8 @@ def test_simulator_and_direct_router_choose_the_same_worker():
         if c[0] == "metrics":
             pool2.update_metrics(c[1], c[2])
         elif c[0] == "route":
-            _, req, now, did, d = c
+            _, req, now, d = c
+            did = d.id
             d2 = router2.route(InferenceRequest(model=MODEL, max_tokens=req.max_tokens,
                                                 token_ids=None, fingerprint=req.fingerprint),
                                now, did)

@@ -16,29 +16,14 @@ from cachepilot.sim.workloads import MODEL, _Tokens
 from cachepilot_extproc.service import DESTINATION_HEADER, Exchange, Processor
 
 from extproc_msgs import body, headers, set_headers
+from sim_calls import record_core_calls
 
 
 def test_gateway_and_simulator_choose_the_same_workers() -> None:
     workload = generate(WorkloadSpec("hotspot", duration=6.0), 3)
     sim = Simulator(SimConfig(policy="priced"))
-    calls: list[tuple] = []
-    pool, router = sim.pool, sim.router
-    orig_update, orig_route = pool.update_metrics, router.route
-    orig_first, orig_release = router.first_token, router.release
-
-    def update(addr, m, error=None):
-        calls.append(("metrics", addr, m))
-        return orig_update(addr, m, error)
-
-    def route(req, now, decision_id=None):
-        d = orig_route(req, now, decision_id)
-        calls.append(("route", now, d))
-        return d
-
-    pool.update_metrics = update
-    router.route = route
-    router.first_token = lambda d: (calls.append(("first", d.id)), orig_first(d))
-    router.release = lambda d: (calls.append(("release", d.id)), orig_release(d))
+    calls = record_core_calls(sim)
+    pool = sim.pool
     sim.run(workload)
 
     tokens = _Tokens()
@@ -56,7 +41,7 @@ def test_gateway_and_simulator_choose_the_same_workers() -> None:
         if call[0] == "metrics":
             pool2.update_metrics(call[1], call[2])
         elif call[0] == "route":
-            _, now, d = call
+            _, _, now, d = call
             clock[0] = now
             gateway_router.next_id = lambda did=d.id: did  # same id → same tie-break
             raw = orjson.dumps({"model": MODEL, "prompt": prompts[d.id],
