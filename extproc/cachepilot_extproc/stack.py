@@ -7,8 +7,8 @@ its own file under ``log_dir``; ports are picked free unless given.
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -208,6 +208,7 @@ def up_cmd(workers: int, port: int, policy: str, weights: str | None, speed: flo
     """Run Envoy + gateway + simulated workers until interrupted."""
     stack = LocalStack(StackConfig(workers=workers, port=port, policy=policy, weights=weights,
                                    speed=speed, fail_open=fail_open, decision_log=decision_log))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
     stack.start()
     click.echo(f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})")
     click.echo(f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics")
@@ -223,4 +224,3 @@ def up_cmd(workers: int, port: int, policy: str, weights: str | None, speed: flo
         pass
     finally:
         stack.stop()
-    os._exit(0)
