@@ -21,7 +21,8 @@ capacity for a llama worker is prompts held x blocks of a typical prompt
 directory evicts leaves first and keeps a shared root longest (right for vLLM's block cache),
 so the roots of a prompt llama.cpp has already dropped would still match and predict a hit.
 Without a prompt length we assume prompts fill their slot (an upper bound); the experiment
-measures both settings (docs/real-model.md).
+measures both settings (docs/real-model.md). Workers run with one slot and no prompt cache by
+default, so that what a worker holds is exactly known.
 
 Other llama.cpp facts this module encodes (all observed on this machine):
 
@@ -114,9 +115,10 @@ class LlamaWorkerSpec:
     # waits for it (and hits) instead of prefilling it again in a second slot.
     parallel: int = 1
     ctx_per_slot: int = 1024  # tokens; -c is parallel * ctx_per_slot
-    # Host-RAM prompt cache (llama-server's default is 8192 MiB, some 280 prompts here):
-    # 64 MiB keeps 2 prompts besides the slot's, so capacity matters on a small workload.
-    cache_ram_mib: int = 64
+    # Host-RAM prompt cache (llama-server's default is 8192 MiB, some 280 prompts here).
+    # Off by default: what it keeps is hard to predict from its size (see prompts_held), and
+    # with it off a worker holds exactly its slots' prompts.
+    cache_ram_mib: int = 0
     batch: int = 256  # -b/-ub: tokens per decode call; bounds how long /metrics waits
     extra_args: tuple[str, ...] = ()
 
@@ -134,7 +136,13 @@ PROMPT_STATE_MIB = 29
 
 
 def prompts_held(spec: LlamaWorkerSpec, state_mib: float = PROMPT_STATE_MIB) -> int:
-    """Prompts one worker keeps: one per slot, plus what fits in the prompt cache."""
+    """Prompts one worker keeps: one per slot, plus what fits in the prompt cache.
+
+    The prompt-cache part is optimistic. llama-server also caps the cache in tokens at its
+    size over the *average* state bytes per token, a restored prompt leaves the cache while it
+    sits in the slot, and a slot that has served several requests saves extra checkpoints
+    (36 MiB for one 587-token prompt here); with 64 MiB we saw it keep one prompt, not two,
+    and the hit prediction's precision fell to about one half (docs/real-model.md)."""
     return spec.parallel + int(max(0, spec.cache_ram_mib) // state_mib)
 
 
@@ -421,9 +429,9 @@ class RealWorkload:
 
     requests: int = 60
     rate: float = 0.4  # requests/s
-    # Shared documents: more than one worker holds (3 prompts), fewer than two workers hold
-    # once partitioned, so placement decides the hit rate.
-    groups: int = 4
+    # Shared documents: two single-slot workers hold both once they are partitioned; one
+    # worker holds only one, so placement decides the hit rate.
+    groups: int = 2
     doc_words: int = 500
     question_words: int = 20
     p_unique: float = 0.15  # share of requests with a one-off document
