@@ -534,7 +534,8 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
 
     def ttft(group: list[Sample]) -> dict[str, Any]:
         v = [s.ttft_ms for s in group if s.ttft_ms is not None]
-        return {"n": len(v), "p50_ms": _pct(v, 50), "p90_ms": _pct(v, 90)}
+        return {"n": len(v), "p50_ms": _pct(v, 50), "p90_ms": _pct(v, 90),
+                "mean_ms": round(sum(v) / len(v), 1) if v else None}
 
     tp = sum(1 for s in ok if s.predicted_hit and s.measured_hit)
     fp = sum(1 for s in ok if s.predicted_hit and not s.measured_hit)
@@ -697,18 +698,20 @@ def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, work
 
 
 def _table(result: dict[str, Any]) -> None:
+    names = [n for n, _ in PHASES]
+    click.echo(f"{'':36}" + "".join(f"{n:>26}" for n in names))
+    click.echo(f"{'TTFT mean, all (ms)':36}" + "".join(
+        f"{result[n]['ttft_all']['mean_ms']!s:>26}" for n in names))
     rows = [("TTFT p50 / p90, all (ms)", "ttft_all"),
             ("TTFT p50 / p90, predicted hits", "ttft_predicted_hit"),
             ("TTFT p50 / p90, predicted misses", "ttft_predicted_miss")]
-    names = [n for n, _ in PHASES]
-    click.echo(f"{'':36}" + "".join(f"{n:>22}" for n in names))
     for label, key in rows:
         cells = [f"{result[n][key]['p50_ms']} / {result[n][key]['p90_ms']} "
                  f"(n={result[n][key]['n']})" for n in names]
-        click.echo(f"{label:36}" + "".join(f"{c:>22}" for c in cells))
+        click.echo(f"{label:36}" + "".join(f"{c:>26}" for c in cells))
     for label, key in (("hit precision", "precision"), ("hit recall", "recall"),
                        ("cached share of prompt tokens", "cached_token_share")):
-        click.echo(f"{label:36}" + "".join(f"{result[n][key]!s:>22}" for n in names))
+        click.echo(f"{label:36}" + "".join(f"{result[n][key]!s:>26}" for n in names))
     click.echo(f"plot: {result['plot']}")
 
 
