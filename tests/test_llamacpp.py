@@ -52,10 +52,11 @@ def test_directory_capacity_is_prompts_held_times_prompt_blocks() -> None:
     spec = LlamaWorkerSpec(parallel=2, ctx_per_slot=1024, cache_ram_mib=0)
     assert llamacpp.prompts_held(spec) == 2
     assert directory_capacity_blocks(spec, 16) == 2 * 1024 // 16  # prompts fill their slots
-    assert directory_capacity_blocks(spec, 16, prompt_tokens=578) == 2 * 578 // 16
+    assert directory_capacity_blocks(spec, 16, prompt_tokens=578) == int(2 * 578 * 0.9) // 16
     with_ram = LlamaWorkerSpec(parallel=1, ctx_per_slot=1024, cache_ram_mib=64)
     assert llamacpp.prompts_held(with_ram, state_mib=27) == 1 + 2
-    assert directory_capacity_blocks(with_ram, 16, prompt_tokens=500) == 3 * 500 // 16
+    assert directory_capacity_blocks(with_ram, 16, prompt_tokens=500, margin=1.0) == (
+        3 * 500 // 16)
 
 
 def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
@@ -82,6 +83,17 @@ def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
             assert left == a_left
         else:
             assert left > 0  # the upper bound keeps A's roots: a false hit prediction
+    # Under the margin, B's document (all but its question) is still matched, a little
+    # shorter: the prediction stays a hit.
+    b2 = next(body for label, body in w.bodies()[1:] if label == "shared-1"
+              and body != prompts["shared-1"])
+    fb2 = fingerprint("m", cfg, text=flatten_messages(b2["messages"]))
+    d = PrefixDirectory(directory_capacity_blocks(one_slot, 16, tokens))
+    d.add_worker("w")
+    d.insert("w", b.hashes)
+    shared = next(i for i, (x, y) in enumerate(zip(b.hashes, fb2.hashes, strict=False))
+                  if x != y)
+    assert shared - 4 <= d.match(fb2.hashes, ["w"])["w"] <= shared
 
 
 def test_worker_args(monkeypatch: pytest.MonkeyPatch) -> None:

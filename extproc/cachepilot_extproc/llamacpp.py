@@ -147,17 +147,19 @@ def prompts_held(spec: LlamaWorkerSpec, state_mib: float = PROMPT_STATE_MIB) -> 
 
 
 def directory_capacity_blocks(spec: LlamaWorkerSpec, block_size: int = 16,
-                              prompt_tokens: int | None = None) -> int:
+                              prompt_tokens: int | None = None, margin: float = 0.9) -> int:
     """Blocks the gateway's directory should assume one llama worker holds.
 
     llama.cpp caches whole prompts, so this is prompts held x blocks per prompt. Give the
     typical prompt length when it is known: a capacity above the truth keeps the root blocks
     of overwritten prompts in the directory and turns them into false hit predictions
     (the directory evicts least recently used blocks and keeps roots longest), one below
-    it only shortens the predicted match. Without it, each prompt is assumed to fill its slot
-    (an upper bound)."""
-    tokens = prompt_tokens or spec.ctx_per_slot
-    return max(1, prompts_held(spec) * tokens // block_size)
+    it only shortens the predicted match. Prompts vary around the typical length, and one
+    block too many already predicts a (16-token) hit, so a typical length is taken at
+    ``margin`` of itself. Without one, each prompt is assumed to fill its slot (an upper
+    bound)."""
+    tokens = prompt_tokens * margin if prompt_tokens else spec.ctx_per_slot
+    return max(1, int(prompts_held(spec) * tokens) // block_size)
 
 
 def threads_per_worker(workers: int, budget: int = CPU_BUDGET) -> int:
