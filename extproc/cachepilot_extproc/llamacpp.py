@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +54,13 @@ import click
 import orjson
 
 from cachepilot.routing.cost import CostModel
-from cachepilot_extproc.stack import LocalStack, StackConfig, free_port, http_get
+from cachepilot_extproc.procs import (
+    Processes,
+    gateway_scraped_all,
+    http_get,
+    serve_until_interrupted,
+)
+from cachepilot_extproc.stack import LocalStack, StackConfig, free_port
 
 log = logging.getLogger("cachepilot.llamacpp")
 
@@ -226,7 +231,7 @@ class LlamaStack:
     # the way the gateway estimates them (UTF-8 bytes / calibrated chars per token)
     log_dir: str | None = None
     model: Path | None = None
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    processes: Processes = field(default_factory=lambda: Processes(Path()))
     worker_ports: list[int] = field(default_factory=list)
     envoy: LocalStack | None = None
     calibration: Calibration | None = None
@@ -247,13 +252,12 @@ class LlamaStack:
         return [f"127.0.0.1:{p}" for p in self.worker_ports]
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        logf = open(Path(self.log_dir or ".") / f"{name}.log", "wb")  # noqa: SIM115
-        self.procs[name] = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+        self.processes.spawn(name, args)
 
     def start(self, timeout_s: float = 120.0) -> LlamaStack:
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="cachepilot-llama-")
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        self.processes.log_dir = Path(self.log_dir)
         if self.spec is None:
             self.spec = LlamaWorkerSpec(threads=threads_per_worker(self.workers))
         if self.workers * self.spec.threads > CPU_BUDGET:
@@ -264,7 +268,8 @@ class LlamaStack:
             self.worker_ports = [free_port() for _ in range(self.workers)]
             for i, port in enumerate(self.worker_ports):
                 self._spawn(f"llama-{i}", self.spec.args(model, port))
-            self._wait([f"http://{a}/health" for a in self.worker_addresses], timeout_s)
+            self.processes.wait_ready([f"http://{a}/health" for a in self.worker_addresses],
+                                      timeout_s, poll_s=0.2)
             # Every worker gets the same cold warm-up; worker 0's numbers calibrate the gateway.
             cals = [calibrate(a) for a in self.worker_addresses]
             self.calibration = cals[0]
@@ -295,33 +300,8 @@ class LlamaStack:
             "--chars-per-token", f"{cal.chars_per_token:.3f}",
             "--capacity-blocks", str(capacity), "--cost", json.dumps(cost.to_dict()),
             "--decision-log", str(Path(self.log_dir or ".") / "decisions")])
-        self._wait([f"{self.admin_url}/readyz"], timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while not self._all_scraped():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway never scraped every worker (logs: {self.log_dir})")
-            time.sleep(0.1)
-
-    def _all_scraped(self) -> bool:
-        code, body = http_get(f"{self.admin_url}/workers")
-        return code == 200 and all(w["scraped_at"] for w in json.loads(body))
-
-    def _wait(self, urls: list[str], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = list(urls)
-        while pending:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    tail = (Path(self.log_dir or ".") / f"{name}.log").read_text(
-                        errors="replace")[-2000:]
-                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-            pending = [u for u in pending if _status(u) != 200]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout_s}s: {pending} "
-                                   f"(logs: {self.log_dir})")
-            time.sleep(0.2)
+        self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
+                                  also=lambda: gateway_scraped_all(self.admin_url))
 
     def decision(self, decision_id: str, timeout_s: float = 10.0,
                  with_outcome: bool = False) -> dict[str, Any] | None:
@@ -341,29 +321,13 @@ class LlamaStack:
         if self.envoy is not None:
             self.envoy.stop()
             self.envoy = None
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+        self.processes.stop()
 
     def __enter__(self) -> LlamaStack:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _status(url: str) -> int:
-    try:
-        return http_get(url, timeout=2.0)[0]
-    except OSError:
-        return 0
 
 
 # -- the gateway process --------------------------------------------------------------------
@@ -737,9 +701,7 @@ def run_up(workers: int = 2, port: int = 8080, policy: str = "priced",
          f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
          f"\"content\":\"Hello\"}}]}}'")
     try:
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(0.5)
-        echo("a component exited; see the logs")
+        echo(serve_until_interrupted(stack.processes))
     except KeyboardInterrupt:
         pass
     finally:

