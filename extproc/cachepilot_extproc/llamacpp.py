@@ -55,6 +55,7 @@ import orjson
 
 from cachepilot.routing.cost import CostModel
 from cachepilot_extproc.procs import (
+    LoopbackAddresses,
     Processes,
     gateway_scraped_all,
     http_get,
@@ -210,7 +211,7 @@ def calibrate(address: str, words: int = 300, seed: int = 99) -> Calibration:
 
 
 @dataclass
-class LlamaStack:
+class LlamaStack(LoopbackAddresses):
     """Envoy + the gateway + N llama-server workers on loopback, as processes.
 
     Envoy comes from :class:`LocalStack` (no simulated workers, no gateway of its own); the
@@ -243,17 +244,6 @@ class LlamaStack:
         assert self.envoy is not None
         return self.envoy.url
 
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    @property
-    def worker_addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.worker_ports]
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        self.processes.spawn(name, args)
-
     def start(self, timeout_s: float = 120.0) -> LlamaStack:
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="cachepilot-llama-")
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
@@ -267,7 +257,7 @@ class LlamaStack:
         try:
             self.worker_ports = [free_port() for _ in range(self.workers)]
             for i, port in enumerate(self.worker_ports):
-                self._spawn(f"llama-{i}", self.spec.args(model, port))
+                self.processes.spawn(f"llama-{i}", self.spec.args(model, port))
             self.processes.wait_ready([f"http://{a}/health" for a in self.worker_addresses],
                                       timeout_s, poll_s=0.2)
             # Every worker gets the same cold warm-up; worker 0's numbers calibrate the gateway.
@@ -292,7 +282,7 @@ class LlamaStack:
         capacity = self.capacity_blocks = self.capacity_blocks or directory_capacity_blocks(
             self.spec, self.block_size, self.prompt_tokens)
         cost = cal.cost_model(self.max_tokens)
-        self._spawn("gateway", [
+        self.processes.spawn("gateway", [
             sys.executable, "-m", "cachepilot_extproc.llamacpp", "gateway",
             "--listen", f"127.0.0.1:{self.gateway_port}", "--admin-port", str(self.admin_port),
             "--workers", ",".join(self.worker_addresses), "--policy", self.policy,

@@ -88,6 +88,22 @@ class Processes:
         self.procs.clear()
 
 
+class LoopbackAddresses:
+    """Addresses of a stack whose processes listen on 127.0.0.1 (``admin_port`` is the
+    gateway's admin API, ``worker_ports`` the model servers')."""
+
+    admin_port: int
+    worker_ports: list[int]
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.worker_ports]
+
+
 def serve_until_interrupted(processes: Processes) -> str:
     """Block while every process runs; return why it stopped. SIGTERM counts as Ctrl-C so
     that ``kill`` and container runtimes stop the stack cleanly."""

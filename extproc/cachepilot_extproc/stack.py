@@ -18,6 +18,7 @@ import click
 
 from cachepilot_extproc.envoy_config import EnvoyOptions, render
 from cachepilot_extproc.procs import (
+    LoopbackAddresses,
     Processes,
     gateway_scraped_all,
     http_get,
@@ -62,7 +63,7 @@ class StackConfig:
 
 
 @dataclass
-class LocalStack:
+class LocalStack(LoopbackAddresses):
     config: StackConfig = field(default_factory=StackConfig)
     processes: Processes = field(default_factory=lambda: Processes(Path()))
     worker_ports: list[int] = field(default_factory=list)
@@ -76,17 +77,6 @@ class LocalStack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_port}"
 
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    @property
-    def worker_addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.worker_ports]
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        self.processes.spawn(name, args)
-
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         c = self.config
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="cachepilot-"))
@@ -95,7 +85,7 @@ class LocalStack:
         cp = [sys.executable, "-m", "cachepilot"]
         self.worker_ports = [free_port() for _ in range(c.workers)]
         for i, port in enumerate(self.worker_ports):
-            self._spawn(f"worker-{i}", [*cp, "sim-worker", "--port", str(port), "--model",
+            self.processes.spawn(f"worker-{i}", [*cp, "sim-worker", "--port", str(port), "--model",
                                         c.model, "--speed", str(c.speed), "--name",
                                         f"worker-{i}", *c.worker_args])
         self.gateway_port = self.gateway_port or free_port()
@@ -111,7 +101,7 @@ class LocalStack:
                 args += ["--decision-log", c.decision_log]
             if not c.observe_responses:
                 args += ["--no-observe-responses"]
-            self._spawn("gateway", args)
+            self.processes.spawn("gateway", args)
         self.envoy_port = c.port or free_port()
         self.envoy_admin_port = free_port()
         opts = EnvoyOptions(listen_address="127.0.0.1", listen_port=self.envoy_port,
@@ -122,7 +112,7 @@ class LocalStack:
                             max_body_bytes=c.max_body_bytes)
         cfg_path = self.log_dir / "envoy.yaml"
         cfg_path.write_text(render(opts))
-        self._spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
+        self.processes.spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
                               "--disable-hot-restart", "-l", "warning"])
         try:
             self.wait_ready(timeout_s)
