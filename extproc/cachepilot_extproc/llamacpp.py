@@ -691,7 +691,8 @@ def run_up(workers: int = 2, port: int = 8080, policy: str = "priced",
          f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
          f"\"content\":\"Hello\"}}]}}'")
     try:
-        echo(serve_until_interrupted(stack.processes))
+        groups = [stack.processes] + ([stack.envoy.processes] if stack.envoy else [])
+        echo(serve_until_interrupted(*groups))
     except KeyboardInterrupt:
         pass
     finally:

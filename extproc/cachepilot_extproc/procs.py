@@ -34,7 +34,10 @@ def http_status(url: str, timeout: float = 1.0) -> int:
 def gateway_scraped_all(admin_url: str) -> bool:
     """True once the gateway has scraped every worker at least once: before that it routes
     without load figures, which makes a first burst of requests land unevenly."""
-    code, body = http_get(f"{admin_url}/workers")
+    try:
+        code, body = http_get(f"{admin_url}/workers")
+    except OSError:
+        return False
     return code == 200 and all(w["scraped_at"] for w in json.loads(body))
 
 
@@ -104,12 +107,13 @@ class LoopbackAddresses:
         return [f"127.0.0.1:{p}" for p in self.worker_ports]
 
 
-def serve_until_interrupted(processes: Processes) -> str:
+def serve_until_interrupted(*groups: Processes) -> str:
     """Block while every process runs; return why it stopped. SIGTERM counts as Ctrl-C so
     that ``kill`` and container runtimes stop the stack cleanly."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    procs = [p for group in groups for p in group.procs.values()]
     try:
-        while all(p.poll() is None for p in processes.procs.values()):
+        while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         return "a component exited; see the logs"
     except KeyboardInterrupt:
