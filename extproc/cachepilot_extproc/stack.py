@@ -85,9 +85,9 @@ class LocalStack(LoopbackAddresses):
         cp = [sys.executable, "-m", "cachepilot"]
         self.worker_ports = [free_port() for _ in range(c.workers)]
         for i, port in enumerate(self.worker_ports):
-            self.processes.spawn(f"worker-{i}", [*cp, "sim-worker", "--port", str(port), "--model",
-                                        c.model, "--speed", str(c.speed), "--name",
-                                        f"worker-{i}", *c.worker_args])
+            self.processes.spawn(f"worker-{i}", [
+                *cp, "sim-worker", "--port", str(port), "--model", c.model, "--speed",
+                str(c.speed), "--name", f"worker-{i}", *c.worker_args])
         self.gateway_port = self.gateway_port or free_port()
         self.admin_port = self.admin_port or free_port()
         if c.start_gateway:
