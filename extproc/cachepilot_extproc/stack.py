@@ -113,7 +113,7 @@ class LocalStack(LoopbackAddresses):
         cfg_path = self.log_dir / "envoy.yaml"
         cfg_path.write_text(render(opts))
         self.processes.spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
-                              "--disable-hot-restart", "-l", "warning"])
+                                        "--disable-hot-restart", "-l", "warning"])
         try:
             self.wait_ready(timeout_s)
         except BaseException:
