@@ -25,5 +25,11 @@ def router() -> Router:
     return make_router()
 
 
+def have_command(name: str) -> bool:
+    """Installed beside the interpreter (CI runs .venv/bin/python without activating the
+    venv, so its bin/ is not on PATH) or on PATH."""
+    return (Path(sys.executable).parent / name).exists() or shutil.which(name) is not None
+
+
 def have_envoy() -> bool:
-    return (Path(sys.executable).parent / "envoy").exists() or shutil.which("envoy") is not None
+    return have_command("envoy")

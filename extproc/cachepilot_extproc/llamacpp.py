@@ -264,8 +264,9 @@ class LlamaStack(LoopbackAddresses):
             cals = [calibrate(a) for a in self.worker_addresses]
             self.calibration = cals[0]
             self._start_gateway(timeout_s)
+            # Envoy joins this stack's processes: one stop, one watch.
             self.envoy = LocalStack(StackConfig(workers=0, start_gateway=False, port=self.port,
-                                                log_dir=self.log_dir),
+                                                log_dir=self.log_dir), processes=self.processes,
                                     gateway_port=self.gateway_port, admin_port=self.admin_port)
             self.envoy.start(timeout_s)
         except BaseException:
@@ -308,10 +309,8 @@ class LlamaStack(LoopbackAddresses):
             time.sleep(0.2)  # the decision log commits in batches
 
     def stop(self) -> None:
-        if self.envoy is not None:
-            self.envoy.stop()
-            self.envoy = None
-        self.processes.stop()
+        self.processes.stop()  # Envoy's too
+        self.envoy = None
 
     def __enter__(self) -> LlamaStack:
         return self.start()
@@ -691,8 +690,7 @@ def run_up(workers: int = 2, port: int = 8080, policy: str = "priced",
          f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
          f"\"content\":\"Hello\"}}]}}'")
     try:
-        groups = [stack.processes] + ([stack.envoy.processes] if stack.envoy else [])
-        echo(serve_until_interrupted(*groups))
+        echo(serve_until_interrupted(stack.processes))
     except KeyboardInterrupt:
         pass
     finally:

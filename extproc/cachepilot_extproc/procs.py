@@ -5,7 +5,6 @@ answer, stop them all. Shared by the simulated stack (:mod:`.stack`) and the lla
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
 import urllib.error
@@ -107,13 +106,11 @@ class LoopbackAddresses:
         return [f"127.0.0.1:{p}" for p in self.worker_ports]
 
 
-def serve_until_interrupted(*groups: Processes) -> str:
-    """Block while every process runs; return why it stopped. SIGTERM counts as Ctrl-C so
-    that ``kill`` and container runtimes stop the stack cleanly."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    procs = [p for group in groups for p in group.procs.values()]
+def serve_until_interrupted(processes: Processes) -> str:
+    """Block while every process runs; return why it stopped (a component exited, or
+    KeyboardInterrupt: Ctrl-C, or SIGTERM where the caller maps it to SIGINT's handler)."""
     try:
-        while all(p.poll() is None for p in procs):
+        while all(p.poll() is None for p in processes.procs.values()):
             time.sleep(0.5)
         return "a component exited; see the logs"
     except KeyboardInterrupt:

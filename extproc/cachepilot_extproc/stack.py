@@ -21,11 +21,8 @@ from cachepilot_extproc.procs import (
     LoopbackAddresses,
     Processes,
     gateway_scraped_all,
-    http_get,
     serve_until_interrupted,
 )
-
-__all__ = ["LocalStack", "StackConfig", "envoy_binary", "free_port", "http_get"]
 
 
 def free_port() -> int:
@@ -166,7 +163,8 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
            speed: float, fail_open: bool, decision_log: str | None,
            prompt_tokens: int | None) -> None:
     """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM)."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # also while starting
+    # SIGTERM (kill, container runtimes) stops the stack like Ctrl-C, also while starting.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if engine == "llamacpp":
         from cachepilot_extproc.llamacpp import run_up
 
