@@ -290,8 +290,9 @@ async def test_status_is_written_at_a_bounded_rate_with_events(cluster: Cluster)
         assert line["pod"] == "w1" and line["address"] == "10.0.0.1:8000"
         assert line["ready"] is True and line["waiting"] == 0 and line["running"] == 1
         assert line["kvUsage"] == 0.25 and line["lastScrape"].endswith("Z")
-        joined = cluster.events("WorkerJoined")
-        assert len(joined) == 3
+        # Events are posted by their own task, so the status can be written first.
+        joined = await eventually(lambda: len(cluster.events("WorkerJoined")) == 3
+                                  and cluster.events("WorkerJoined"))
         assert joined[0]["involvedObject"] == {"apiVersion": API_VERSION, "kind": KIND,
                                                "name": "p", "namespace": NS, "uid": "uid-p"}
 
@@ -467,7 +468,8 @@ async def test_only_the_lease_holder_writes_and_a_successor_takes_over(
         await cluster.delete(f"{PODS}/w1")
         await eventually(lambda: cluster.status("p").get("writer") == "gw-b"
                          and cluster.status("p")["workers"] == 2)
-        assert any(e["reportingInstance"] == "gw-b" for e in cluster.events("WorkerLeft"))
+        await eventually(lambda: any(e["reportingInstance"] == "gw-b"
+                                     for e in cluster.events("WorkerLeft")))
 
 
 async def test_cancelling_the_operator_stops_kopf_and_releases_the_lease(
