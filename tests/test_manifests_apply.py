@@ -116,7 +116,8 @@ async def test_kubectl_applies_every_manifest(kmock: K.KubernetesEmulator,
         proc = await asyncio.create_subprocess_exec(
             KUBECTL, f"--kubeconfig={kubeconfig}", *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        async with asyncio.timeout(60):
+            out, err = await proc.communicate()
         assert proc.returncode == 0, err.decode()
         return out.decode()
 

@@ -86,7 +86,8 @@ async def test_the_chart_pod_on_one_machine(cluster: Cluster, workers: int) -> N
                                   login=lambda: kopf.ConnectionInfo(server=cluster.url)))
     envoy = None
     try:
-        await asyncio.wait_for(ready.wait(), 10)
+        async with asyncio.timeout(10):
+            await ready.wait()
         await cluster.create(POOLS, pool("sim", models=[MODEL], scrape={
             "intervalSeconds": 0.1, "engine": "sim"}))
         await eventually(lambda: cluster.status("sim").get("readyWorkers") == 3

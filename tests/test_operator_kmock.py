@@ -165,12 +165,14 @@ class Operator:
         return dataclasses.replace(FAST, **changes)
 
     async def __aenter__(self) -> Operator:
-        await asyncio.wait_for(self.ready.wait(), 10)
+        async with asyncio.timeout(10):
+            await self.ready.wait()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop.set()
-        await asyncio.wait_for(self.task, 10)
+        async with asyncio.timeout(10):
+            await self.task
 
     def workers(self, pool_name: str = "p") -> dict[str, bool]:
         return {a: w.ready for a, w in self.router.pools[pool_name].workers.items()}
@@ -230,9 +232,11 @@ async def test_several_pools_route_by_model_to_their_own_workers(cluster: Cluste
             {"key": "app", "operator": "In", "values": ["b"]}]}))
         await cluster.create(POOLS, pool("pab", models=["mab"], selector={"matchExpressions": [
             {"key": "tier", "operator": "Exists"}]}))
-        await eventually(lambda: all(w.metrics for p in op.router.pools.values()
-                                     for w in p.workers.values())
-                         and len(op.router.pools) == 3)
+        # A pool reaches the router before its pods do: wait for every member's metrics.
+        await eventually(lambda: {n: len(p.workers) for n, p in op.router.pools.items()}
+                         == {"pa": 3, "pb": 2, "pab": 1}
+                         and all(w.metrics for p in op.router.pools.values()
+                                 for w in p.workers.values()))
         assert set(op.route(20, "ma")) <= {"10.0.1.1:8000", "10.0.1.2:8000", "10.0.3.1:8000"}
         assert set(op.route(20, "mb")) == {"10.0.2.1:8000", "10.0.2.2:8000"}
         assert set(op.route(5, "mab")) == {"10.0.3.1:8000"}  # a pod may serve two pools

@@ -5,14 +5,17 @@ fail past the renew deadline."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import kmock as K
 import kopf
 import pytest
+from test_operator_kmock import eventually
 
-from cachepilot_operator.kube import KubeClient
+from cachepilot_operator.kube import Conflict, KubeClient, NotFound
 from cachepilot_operator.lease import LeaderElector
 
 pytestmark = pytest.mark.timeout(30)
@@ -71,21 +74,95 @@ async def test_a_leader_steps_down_when_it_cannot_renew_and_releases_on_stop(
 
     leases = K.resource("coordination.k8s.io/v1/leases")
     changes: list[bool] = []
-    a = elector(client, "a", changes)
+    # Deadlines of seconds, not tenths: a starved test machine must not miss a renewal.
+    a = LeaderElector(client, namespace=NS, name="lead", identity="a", lease_duration_s=3.0,
+                      renew_deadline_s=2.0, retry_period_s=0.05, on_change=changes.append)
     stop = asyncio.Event()
     task = asyncio.create_task(a.run(stop))
-    await asyncio.sleep(0.2)
-    assert changes == [True] and a.is_leader
+    await eventually(lambda: changes == [True] and a.is_leader)
     failing["on"] = True
     kmock[leases, K.action.FETCH] << outage
     kmock[leases, K.action.UPDATE] << outage
-    await asyncio.sleep(0.2)
-    assert a.is_leader  # within the renew deadline: still leading
-    await asyncio.sleep(0.5)
-    assert changes == [True, False] and not a.is_leader
+    outage_at = time.monotonic()
+    await eventually(lambda: changes == [True, False], timeout=10)
+    # It kept leading until the renew deadline after its last renewal had passed.
+    assert time.monotonic() - outage_at >= 2.0 - 0.05 - 0.01
+    assert not a.is_leader
     failing["on"] = False
-    await asyncio.sleep(0.9)  # its own record is unchanged: it may take it back
-    assert changes == [True, False, True]
+    # Its own record is unchanged for the lease duration: it may take it back.
+    await eventually(lambda: changes == [True, False, True], timeout=10)
     stop.set()
-    await asyncio.wait_for(task, 5)
+    async with asyncio.timeout(5):
+        await task
     assert changes[-1] is False and holder(kmock) is None
+
+
+class MemoryLeases:
+    """The three Lease calls the elector makes, in memory, each taking one loop tick, with
+    the API server's resourceVersion precondition (409 on a stale one)."""
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+        self.version = 0
+        self.before_patch: Callable[[], None] | None = None
+
+    def _store(self, spec: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        self.lease = {"metadata": {"resourceVersion": str(self.version)}, "spec": spec}
+        return copy.deepcopy(self.lease)
+
+    async def get(self, path: str) -> Any:
+        await asyncio.sleep(0)
+        if self.lease is None:
+            raise NotFound(404, path)
+        return copy.deepcopy(self.lease)
+
+    async def create(self, path: str, body: Any) -> Any:
+        await asyncio.sleep(0)
+        if self.lease is not None:
+            raise Conflict(409, path)
+        return self._store(body["spec"])
+
+    async def merge_patch(self, path: str, body: Any) -> Any:
+        await asyncio.sleep(0)
+        if self.before_patch is not None:
+            self.before_patch()
+        assert self.lease is not None
+        if body["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
+            raise Conflict(409, "the object has been modified")
+        return self._store({**self.lease["spec"], **body["spec"]})
+
+
+async def test_a_cancelled_elector_always_ends_and_releases() -> None:
+    """Cancel the campaign at every point of its loop, including the tick in which a renewal
+    completes (where Python 3.11's asyncio.wait_for used to swallow the cancellation and
+    leave the task running forever)."""
+    for ticks in range(60):
+        api = MemoryLeases()
+        a = LeaderElector(api, namespace=NS, name="lead", identity="a",  # type: ignore[arg-type]
+                          lease_duration_s=0.6, renew_deadline_s=0.4, retry_period_s=0)
+        task = asyncio.create_task(a.run(asyncio.Event()))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        assert done, f"cancelled after {ticks} ticks, the elector kept running"
+        assert task.cancelled()
+        if api.lease is not None:
+            assert api.lease["spec"]["holderIdentity"] is None, ticks
+
+
+async def test_release_reads_again_when_a_late_renewal_lands_first() -> None:
+    api = MemoryLeases()
+    a = LeaderElector(api, namespace=NS, name="lead", identity="a",  # type: ignore[arg-type]
+                      lease_duration_s=0.6, renew_deadline_s=0.4, retry_period_s=0.05)
+    assert await a.try_acquire_or_renew() is True
+
+    def renewal_lands() -> None:  # once: a renewal sent before shutdown reaches the server
+        api.before_patch = None
+        assert api.lease is not None
+        api._store({**api.lease["spec"], "renewTime": "later"})
+
+    api.before_patch = renewal_lands
+    await a.release()
+    assert api.lease is not None and api.lease["spec"]["holderIdentity"] is None

@@ -73,14 +73,16 @@ async def test_real_scrapes_of_sim_workers_reach_router_and_status(
             body = {"model": "sim-llama-8b", "prompt": "x " * 2000, "max_tokens": 200}
             url = f"http://127.0.0.2:{port}/v1/completions"
             tasks = [asyncio.create_task(http.post(url, json=body)) for _ in range(6)]
-            busy = await eventually(lambda: (w.metrics.running + w.metrics.waiting) > 0 and w)
-            assert busy.metrics.running >= 1
-            await eventually(lambda: any(
-                line["address"] == f"127.0.0.2:{port}" and line.get("running", 0) >= 1
-                for line in cluster.status("p").get("workerStatus", [])))
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                # Queued first (waiting), then admitted to the batch (running).
+                await eventually(lambda: w.metrics.running >= 1)
+                await eventually(lambda: any(
+                    line["address"] == f"127.0.0.2:{port}" and line.get("running", 0) >= 1
+                    for line in cluster.status("p").get("workerStatus", [])))
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         # A worker that stops answering becomes an error, then stale, in the router.
         await cluster.patch(f"{PODS}/w0", {"status": {"podIP": "127.0.0.9"}})

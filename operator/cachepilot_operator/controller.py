@@ -27,6 +27,7 @@ import aiohttp
 
 from cachepilot.routing import Pool, Router, WorkerMetrics
 from cachepilot_operator import crd
+from cachepilot_operator.aio import wait_stopped
 from cachepilot_operator.kube import ApiError, Conflict, KubeClient, NotFound
 from cachepilot_operator.spec import (
     InvalidSpec,
@@ -222,11 +223,7 @@ class Controller:
                     await handler(None, item)
 
     async def resync_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.options.resync_period_s)
-            if stop.is_set():
-                return
+        while not await wait_stopped(stop, self.options.resync_period_s):
             try:
                 await self.resync()
             except (ApiError, aiohttp.ClientError, TimeoutError) as e:
@@ -310,10 +307,9 @@ class Controller:
         if cfg is None or pool is None:
             return
         try:
-            metrics = await asyncio.wait_for(
-                self.scrape(self.session, m.scrape_url, cfg.scrape.engine, cfg.scrape.timeout_s,
-                            self.clock),
-                cfg.scrape.timeout_s + 1.0)
+            async with asyncio.timeout(cfg.scrape.timeout_s + 1.0):  # not wait_for: see aio
+                metrics = await self.scrape(self.session, m.scrape_url, cfg.scrape.engine,
+                                            cfg.scrape.timeout_s, self.clock)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # any failure is the worker's state, not the operator's
@@ -437,8 +433,7 @@ class Controller:
                         await self.write_status(ps)
                     except (ApiError, aiohttp.ClientError, TimeoutError) as e:
                         log.warning("status of pool %s not written: %s", ps.name, e)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.options.status_tick_s)
+            await wait_stopped(stop, self.options.status_tick_s)
 
     # ---- Kubernetes Events ---------------------------------------------------------------
 

@@ -16,13 +16,13 @@ take over (renew_deadline < lease_duration).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from cachepilot_operator.aio import wait_stopped
 from cachepilot_operator.kube import ApiError, Conflict, KubeClient, NotFound
 
 log = logging.getLogger(__name__)
@@ -126,8 +126,8 @@ class LeaderElector:
             while not stop.is_set():
                 ok: bool | None
                 try:
-                    ok = await asyncio.wait_for(self.try_acquire_or_renew(),
-                                                self.renew_deadline_s / 2)
+                    async with asyncio.timeout(self.renew_deadline_s / 2):  # see aio
+                        ok = await self.try_acquire_or_renew()
                 except (ApiError, OSError, TimeoutError) as e:
                     log.warning("lease %s: %s", self.name, e)
                     ok = None  # unknown: keep leading until the renew deadline passes
@@ -138,22 +138,29 @@ class LeaderElector:
                       or (self.is_leader  # no renewal within the deadline
                           and self.clock() - self._last_renew >= self.renew_deadline_s)):
                     self._set(False)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.retry_period_s)
+                await wait_stopped(stop, self.retry_period_s)
         finally:
             if self.is_leader:
                 self._set(False)
                 await self.release()
 
-    async def release(self) -> None:
+    async def release(self, attempts: int = 3) -> None:
         """Give up the lease so a peer takes over at once instead of after the duration."""
-        try:
-            lease = await self.client.get(f"{self.path}/{self.name}")
-            if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+        for _ in range(attempts):
+            try:
+                lease = await self.client.get(f"{self.path}/{self.name}")
+                if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+                    return
+                await self.client.merge_patch(f"{self.path}/{self.name}", {
+                    "metadata": _precondition(lease),
+                    "spec": {"holderIdentity": None, "leaseDurationSeconds": 1,
+                             "renewTime": micro_time()}})
                 return
-            await self.client.merge_patch(f"{self.path}/{self.name}", {
-                "metadata": _precondition(lease),
-                "spec": {"holderIdentity": None, "leaseDurationSeconds": 1,
-                         "renewTime": micro_time()}})
-        except (ApiError, OSError, TimeoutError) as e:
-            log.info("could not release lease %s: %s", self.name, e)
+            except Conflict:
+                # A renewal cut off by our own shutdown can still land after the read
+                # above: read again; the holder check stops us releasing someone else's.
+                continue
+            except (ApiError, OSError, TimeoutError) as e:
+                log.info("could not release lease %s: %s", self.name, e)
+                return
+        log.info("could not release lease %s: it kept changing", self.name)

@@ -20,7 +20,6 @@ run on the gateway loop too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import functools
 import logging
@@ -37,6 +36,7 @@ import kopf
 from cachepilot.routing import Router
 from cachepilot_extproc.scrape import scrape_once
 from cachepilot_operator import crd
+from cachepilot_operator.aio import wait_stopped
 from cachepilot_operator.controller import Controller, OperatorOptions, ScrapeFn
 from cachepilot_operator.kube import KubeClient
 from cachepilot_operator.lease import LeaderElector
@@ -193,9 +193,7 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
             delay = options.restart_backoffs[min(failures, len(options.restart_backoffs) - 1)]
             failures += 1
             log.warning("watcher stopped (%r); restarting in %ss", error, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop_flag.wait(), delay)
-            if stop_flag.is_set():
+            if await wait_stopped(stop_flag, delay):
                 return
             try:
                 await controller.resync()
