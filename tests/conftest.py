@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +36,13 @@ def have_command(name: str) -> bool:
 
 def have_envoy() -> bool:
     return have_command("envoy")
+
+
+def until(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``check`` until it returns something truthy (for tests outside an event loop;
+    the shared machines are too noisy for fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"{what} not met in {timeout}s"
+        time.sleep(0.02)
+    return result

@@ -16,7 +16,7 @@ from cachepilot_extproc.server import GatewayConfig
 from cachepilot_extproc.service import DESTINATION_HEADER, GatewayOptions
 from cachepilot_extproc.stack import LocalStack, StackConfig, free_port
 
-from conftest import have_envoy
+from conftest import have_envoy, until
 from gateway_thread import GatewayThread
 
 pytestmark = [pytest.mark.envoy,
@@ -172,10 +172,7 @@ def embedded():
         gw.call(lambda: [pool.upsert_worker(a, labels={"engine": "sim"})
                          for a in stack.worker_addresses])
         try:
-            deadline = time.time() + 10
-            while not all(w.metrics for w in pool.workers.values()):
-                assert time.time() < deadline, "workers never scraped"
-                time.sleep(0.05)
+            until(lambda: all(w.metrics for w in pool.workers.values()), what="first scrape")
             yield stack, gw, pool
         finally:
             stack.stop()
@@ -196,8 +193,11 @@ def test_every_error_code_comes_back_through_envoy(embedded) -> None:
     assert r503.status_code == 503 and "no ready worker" in r503.json()["error"]["message"]
     gw.call(lambda: [pool.set_ready(a, True) for a in pool.workers])
 
-    gw.gateway.scraper.interval_s = 3600  # freeze scraped state while we fake a full pool
-    time.sleep(0.3)
+    # Freeze scraped state while we fake a full pool: once the round in flight (or the one
+    # its current sleep leads to) has finished, the scraper sleeps for an hour.
+    scraper = gw.gateway.scraper
+    rounds = gw.call(lambda: (setattr(scraper, "interval_s", 3600), scraper.rounds)[1])
+    until(lambda: gw.call(lambda: scraper.rounds) > rounds, what="last scrape round")
     now = time.time()
     gw.call(lambda: [pool.update_metrics(a, WorkerMetrics(waiting=10_000, running=64,
                                                           scraped_at=now))
@@ -251,8 +251,8 @@ def test_decisions_are_recorded_with_live_outcomes_and_no_prompt_text(tmp_path) 
                     assert r.status_code == 200
                     ids.append(r.headers["x-cachepilot-decision-id"])
                     r.read()
-        time.sleep(0.5)  # the recorder commits in the background
-        admin = httpx.get(f"{stack.admin_url}/decisions/{ids[1]}", timeout=10).json()
+        # The recorder commits in the background, the outcome once the response has ended.
+        admin = until(lambda: _recorded_with_outcome(stack, ids[1]), what="decision record")
         assert admin["record"]["chosen"] in stack.worker_addresses
         assert admin["explanation"]
     store = open_log(str(log))
@@ -266,3 +266,9 @@ def test_decisions_are_recorded_with_live_outcomes_and_no_prompt_text(tmp_path) 
     assert out["cached_tokens"] > 0  # the second request reused the first one's prefix
     raw = b"".join(p.read_bytes() for p in log.rglob("*") if p.is_file())
     assert marker.encode() not in raw
+
+
+def _recorded_with_outcome(stack: LocalStack, decision_id: str) -> dict | None:
+    r = httpx.get(f"{stack.admin_url}/decisions/{decision_id}", timeout=10)
+    body = r.json() if r.status_code == 200 else None
+    return body if body and (body.get("record") or {}).get("outcome") else None
