@@ -85,8 +85,9 @@ async def test_a_leader_steps_down_when_it_cannot_renew_and_releases_on_stop(
     kmock[leases, K.action.UPDATE] << outage
     outage_at = time.monotonic()
     await eventually(lambda: changes == [True, False], timeout=10)
-    # It kept leading until the renew deadline after its last renewal had passed.
-    assert time.monotonic() - outage_at >= 2.0 - 0.05 - 0.01
+    # It kept leading through failed renewals (every 0.05 s) until the 2 s deadline; the
+    # bound leaves room for a starved loop having renewed late before the outage.
+    assert time.monotonic() - outage_at >= 1.0
     assert not a.is_leader
     failing["on"] = False
     # Its own record is unchanged for the lease duration: it may take it back.
