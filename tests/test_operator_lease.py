@@ -30,11 +30,12 @@ async def client(kmock: K.KubernetesEmulator) -> AsyncIterator[KubeClient]:
     await c.close()
 
 
-def elector(client: KubeClient, identity: str, changes: list[bool] | None = None
-            ) -> LeaderElector:
-    return LeaderElector(client, namespace=NS, name="lead", identity=identity,
-                         lease_duration_s=0.6, renew_deadline_s=0.4, retry_period_s=0.05,
-                         on_change=None if changes is None else changes.append)
+def elector(client: KubeClient | MemoryLeases, identity: str,
+            changes: list[bool] | None = None, **timings: float) -> LeaderElector:
+    timings = {"lease_duration_s": 0.6, "renew_deadline_s": 0.4, "retry_period_s": 0.05,
+               **timings}
+    return LeaderElector(client, namespace=NS, name="lead", identity=identity,  # type: ignore[arg-type]
+                         on_change=None if changes is None else changes.append, **timings)
 
 
 def holder(kmock: K.KubernetesEmulator) -> str | None:
@@ -75,8 +76,7 @@ async def test_a_leader_steps_down_when_it_cannot_renew_and_releases_on_stop(
     leases = K.resource("coordination.k8s.io/v1/leases")
     changes: list[bool] = []
     # Deadlines of seconds, not tenths: a starved test machine must not miss a renewal.
-    a = LeaderElector(client, namespace=NS, name="lead", identity="a", lease_duration_s=3.0,
-                      renew_deadline_s=2.0, retry_period_s=0.05, on_change=changes.append)
+    a = elector(client, "a", changes, lease_duration_s=3.0, renew_deadline_s=2.0)
     stop = asyncio.Event()
     task = asyncio.create_task(a.run(stop))
     await eventually(lambda: changes == [True] and a.is_leader)
@@ -140,8 +140,7 @@ async def test_a_cancelled_elector_always_ends_and_releases() -> None:
     leave the task running forever)."""
     for ticks in range(60):
         api = MemoryLeases()
-        a = LeaderElector(api, namespace=NS, name="lead", identity="a",  # type: ignore[arg-type]
-                          lease_duration_s=0.6, renew_deadline_s=0.4, retry_period_s=0)
+        a = elector(api, "a", retry_period_s=0)
         task = asyncio.create_task(a.run(asyncio.Event()))
         for _ in range(ticks):
             await asyncio.sleep(0)
@@ -155,8 +154,7 @@ async def test_a_cancelled_elector_always_ends_and_releases() -> None:
 
 async def test_release_reads_again_when_a_late_renewal_lands_first() -> None:
     api = MemoryLeases()
-    a = LeaderElector(api, namespace=NS, name="lead", identity="a",  # type: ignore[arg-type]
-                      lease_duration_s=0.6, renew_deadline_s=0.4, retry_period_s=0.05)
+    a = elector(api, "a")
     assert await a.try_acquire_or_renew() is True
 
     def renewal_lands() -> None:  # once: a renewal sent before shutdown reaches the server

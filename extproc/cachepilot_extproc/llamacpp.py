@@ -57,7 +57,6 @@ from cachepilot.routing.cost import CostModel
 from cachepilot_extproc.procs import (
     LoopbackAddresses,
     Processes,
-    gateway_scraped_all,
     http_get,
     serve_until_interrupted,
 )
@@ -292,7 +291,7 @@ class LlamaStack(LoopbackAddresses):
             "--capacity-blocks", str(capacity), "--cost", json.dumps(cost.to_dict()),
             "--decision-log", str(Path(self.log_dir or ".") / "decisions")])
         self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
-                                  also=lambda: gateway_scraped_all(self.admin_url))
+                                  gateway_admin_url=self.admin_url)
 
     def decision(self, decision_id: str, timeout_s: float = 10.0,
                  with_outcome: bool = False) -> dict[str, Any] | None:

@@ -9,7 +9,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,17 +56,19 @@ class Processes:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
 
     def wait_ready(self, urls: list[str], timeout_s: float, *,
-                   also: Callable[[], bool] | None = None, poll_s: float = 0.1) -> None:
-        """Until every URL answers 200 and ``also()`` holds; fails fast if a process exits."""
+                   gateway_admin_url: str | None = None, poll_s: float = 0.1) -> None:
+        """Until every URL answers 200 and, given its admin URL, the gateway has scraped every
+        worker; fails fast if a process exits."""
         deadline = time.monotonic() + timeout_s
         pending = list(urls)
         while True:
             self.raise_if_exited()
             pending = [u for u in pending if http_status(u, timeout=2.0) != 200]
-            if not pending and (also is None or also()):
+            if not pending and (gateway_admin_url is None
+                                or gateway_scraped_all(gateway_admin_url)):
                 return
             if time.monotonic() > deadline:
-                what = pending or [getattr(also, "__name__", "readiness check")]
+                what = pending or [f"the gateway at {gateway_admin_url} to scrape every worker"]
                 raise TimeoutError(f"not ready after {timeout_s}s: {what} "
                                    f"(logs: {self.log_dir})")
             time.sleep(poll_s)

@@ -20,7 +20,6 @@ from cachepilot_extproc.envoy_config import EnvoyOptions, render
 from cachepilot_extproc.procs import (
     LoopbackAddresses,
     Processes,
-    gateway_scraped_all,
     serve_until_interrupted,
 )
 
@@ -119,14 +118,12 @@ class LocalStack(LoopbackAddresses):
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        checks = [f"http://127.0.0.1:{p}/health" for p in self.worker_ports]
+        checks = [f"http://{a}/health" for a in self.worker_addresses]
         checks.append(f"http://127.0.0.1:{self.envoy_admin_port}/ready")
-        if self.config.start_gateway:
-            checks.append(f"{self.admin_url}/readyz")
-        self.processes.wait_ready(
-            checks, timeout_s,
-            also=(lambda: gateway_scraped_all(self.admin_url)) if self.config.start_gateway
-            else None)
+        gateway = self.admin_url if self.config.start_gateway else None
+        if gateway:
+            checks.append(f"{gateway}/readyz")
+        self.processes.wait_ready(checks, timeout_s, gateway_admin_url=gateway)
 
     def stop(self) -> None:
         self.processes.stop()
