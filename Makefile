@@ -20,8 +20,9 @@ demo: $(VENV)/.installed
 up: $(VENV)/.installed
 	$(BIN)/cachepilot up
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed  # ruff, the layer contract (import-linter), the suite
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(VENV)/.installed-llamacpp  # includes the real-model test

@@ -35,10 +35,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from cachepilot_extproc.envoy_config import EnvoyOptions, build_bootstrap
-from cachepilot_extproc.procs import http_get
-from cachepilot_extproc.service import DESTINATION_HEADER
-from cachepilot_extproc.stack import envoy_binary, free_port
+from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
+from cachepilot.gateway.service import DESTINATION_HEADER
+from cachepilot.tooling.procs import http_get
+from cachepilot.tooling.stack import envoy_binary, free_port
 
 
 def direct_bootstrap(port: int, admin: int, worker: str) -> dict:

@@ -15,7 +15,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from cachepilot.routing import (
+from cachepilot.core import (
     BlockConfig,
     Pool,
     PoolSpec,

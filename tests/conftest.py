@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cachepilot.routing import BlockConfig, Pool, PoolSpec, Router, WorkerMetrics
+from cachepilot.core import BlockConfig, Pool, PoolSpec, Router, WorkerMetrics
 
 WORKERS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 

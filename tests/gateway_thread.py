@@ -7,8 +7,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cachepilot.routing.router import Router
-from cachepilot_extproc.server import Gateway, GatewayConfig
+from cachepilot.core.router import Router
+from cachepilot.gateway.server import Gateway, GatewayConfig
 
 T = TypeVar("T")
 

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cachepilot.calibration import CalibratingPolicy, CalibrationConfig, Calibrator, WorkerFit
-from cachepilot.routing import InferenceRequest, Pool, PoolSpec, Router, WorkerMetrics
-from cachepilot.routing.policies import make_policy
+from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router, WorkerMetrics
+from cachepilot.core.calibration import CalibratingPolicy, CalibrationConfig, Calibrator, WorkerFit
+from cachepilot.core.policies import make_policy
 
 
 def synthetic(fit: WorkerFit, cfg: CalibrationConfig, n: int, *, prefill: float, queue: float,
@@ -110,7 +110,7 @@ class Collecting(Calibrator):
 
 def run_sim(start: tuple[float, float]) -> tuple[Collecting, Any]:
     sim = pytest.importorskip("cachepilot.sim")
-    from cachepilot.worker.engine import Engine, EngineConfig
+    from cachepilot.sim.engine import Engine, EngineConfig
 
     cal = Collecting()
     s = sim.Simulator(sim.SimConfig(workers=3),

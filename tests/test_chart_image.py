@@ -56,8 +56,8 @@ def test_dockerignore_keeps_the_sources_and_drops_the_rest() -> None:
         return keep
 
     assert included("pyproject.toml") and included("README.md")
-    assert included("operator/cachepilot_operator/runner.py")
-    assert included("src/cachepilot/routing/router.py")
+    assert included("src/cachepilot/operator/runner.py")
+    assert included("src/cachepilot/core/router.py")
     assert not included(".venv/bin/python")
     assert not included("tests/test_chart_image.py")
     assert not included("src/cachepilot/__pycache__/x.pyc")

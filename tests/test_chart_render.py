@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cachepilot_operator import crd, generate
+from cachepilot.operator import crd, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "cachepilot"
@@ -279,7 +279,7 @@ def test_values_schema_accepts_the_documented_values(chart: helm.Chart) -> None:
 
 
 def test_envoy_accepts_the_charts_config(tmp_path: Path) -> None:
-    from cachepilot_extproc.stack import envoy_binary
+    from cachepilot.tooling.stack import envoy_binary
 
     config = tmp_path / "envoy.yaml"
     config.write_text((CHART / "files" / "envoy.yaml").read_text())

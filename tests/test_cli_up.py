@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachepilot.cli import main
-from cachepilot_extproc.stack import free_port
+from cachepilot.tooling.stack import free_port
 
 from conftest import have_envoy
 

@@ -12,9 +12,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cachepilot.routing import BlockConfig, CostModel, PoolSpec, Weights
-from cachepilot_operator import crd, generate
-from cachepilot_operator.spec import (
+from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
+from cachepilot.operator import crd, generate
+from cachepilot.operator.spec import (
     InvalidSpec,
     parse_pool,
     parse_selector,
@@ -53,7 +53,7 @@ def sample() -> dict[str, Any]:
 
 
 def test_generated_files_are_current() -> None:
-    assert generate.stale_files() == [], "run: python -m cachepilot_operator.generate --write"
+    assert generate.stale_files() == [], "run: python -m cachepilot.operator.generate --write"
     chart_crd = (ROOT / "charts/cachepilot/files/crd.yaml").read_text()
     assert (ROOT / "manifests/crd.yaml").read_text() == chart_crd == crd.render_yaml()
 

@@ -1,8 +1,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachepilot.routing.directory import PrefixDirectory
-from cachepilot.routing.fingerprint import chain_hashes
+from cachepilot.core.directory import PrefixDirectory
+from cachepilot.core.fingerprint import chain_hashes
 
 WORKERS = ["w0", "w1", "w2"]
 

@@ -1,7 +1,7 @@
 import pytest
 
-from cachepilot.routing.fingerprint import chain_hashes
-from cachepilot.worker.engine import Engine, EngineConfig, EngineRequest
+from cachepilot.core.fingerprint import chain_hashes
+from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 
 
 def request(i: int, group: int, tokens: int = 512, out: int = 4, at: float = 0.0,

@@ -2,8 +2,8 @@ import subprocess
 
 import pytest
 
-from cachepilot_extproc.envoy_config import EnvoyOptions, build_bootstrap, render
-from cachepilot_extproc.stack import envoy_binary
+from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap, render
+from cachepilot.tooling.stack import envoy_binary
 
 from conftest import have_envoy
 

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachepilot.routing.fingerprint import BlockConfig, chain_hashes, fingerprint, load_tokenizer
+from cachepilot.core.fingerprint import BlockConfig, chain_hashes, fingerprint, load_tokenizer
 
 CFG = BlockConfig(block_size=4, chars_per_token=2.0)  # 8-byte blocks keep examples small
 

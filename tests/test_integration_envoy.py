@@ -10,11 +10,11 @@ from collections import Counter
 import httpx
 import pytest
 
-from cachepilot.routing import BlockConfig, Weights, WorkerMetrics
-from cachepilot_extproc.cli import static_router
-from cachepilot_extproc.server import GatewayConfig
-from cachepilot_extproc.service import DESTINATION_HEADER, GatewayOptions
-from cachepilot_extproc.stack import LocalStack, StackConfig, free_port
+from cachepilot.core import BlockConfig, Weights, WorkerMetrics
+from cachepilot.core.router import static_router
+from cachepilot.gateway.server import GatewayConfig
+from cachepilot.gateway.service import DESTINATION_HEADER, GatewayOptions
+from cachepilot.tooling.stack import LocalStack, StackConfig, free_port
 
 from conftest import have_envoy, until
 from gateway_thread import GatewayThread
@@ -238,7 +238,7 @@ def test_gateway_down(fail_open: bool) -> None:
 
 
 def test_decisions_are_recorded_with_live_outcomes_and_no_prompt_text(tmp_path) -> None:
-    from cachepilot.record import open_log
+    from cachepilot.records import open_log
 
     log = tmp_path / "decisions"
     marker = "PURPLE-ELEPHANT-7731 "

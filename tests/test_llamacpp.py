@@ -10,12 +10,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cachepilot.metrics import parse_metrics
-from cachepilot.routing.directory import PrefixDirectory
-from cachepilot.routing.fingerprint import BlockConfig, fingerprint
-from cachepilot.routing.request import flatten_messages
-from cachepilot_extproc import llamacpp
-from cachepilot_extproc.llamacpp import (
+from cachepilot.core.directory import PrefixDirectory
+from cachepilot.core.fingerprint import BlockConfig, fingerprint
+from cachepilot.core.request import flatten_messages
+from cachepilot.tooling import llamacpp
+from cachepilot.gateway.engine_metrics import parse_metrics
+from cachepilot.tooling.llamacpp import (
     LlamaStack,
     LlamaWorkerSpec,
     RealWorkload,
@@ -150,7 +150,7 @@ def test_repeated_prefix_is_predicted_and_measured_as_a_hit() -> None:
         pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
     if why:
         pytest.skip(f"llama.cpp not installed: {why}")
-    from cachepilot_extproc.loadgen import one_request
+    from cachepilot.tooling.loadgen import one_request
 
     doc = "[doc] " + " ".join(["prefix cache routing on a small model"] * 60)
 

@@ -28,12 +28,12 @@ from test_operator_kmock import (
 )
 from test_operator_scrape import HOSTS, workers  # noqa: F401  (the fixture)
 
-from cachepilot.routing import Router
-from cachepilot_extproc.envoy_config import render
-from cachepilot_extproc.server import Gateway, GatewayConfig
-from cachepilot_extproc.stack import envoy_binary, free_port
-from cachepilot_operator import run_operator
-from cachepilot_operator.generate import chart_envoy_options
+from cachepilot.core import Router
+from cachepilot.gateway.envoy_config import render
+from cachepilot.gateway.server import Gateway, GatewayConfig
+from cachepilot.operator import run_operator
+from cachepilot.operator.generate import chart_envoy_options
+from cachepilot.tooling.stack import envoy_binary, free_port
 
 from conftest import have_envoy
 

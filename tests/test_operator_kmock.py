@@ -3,7 +3,7 @@
 Each test starts ``run_operator`` on the test's event loop, drives the "cluster" through
 HTTP (so kopf's watch streams see every change) and checks the router, the status
 subresource and the Events. Worker metrics come from a scripted scraper with the same
-signature as ``cachepilot_extproc.scrape.scrape_once``.
+signature as ``cachepilot.gateway.scrape.scrape_once``.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import kmock as K
 import kopf
 import pytest
 
-from cachepilot.routing import (
+from cachepilot.core import (
     InferenceRequest,
     RequestError,
     Router,
     RoutingError,
     WorkerMetrics,
 )
-from cachepilot_operator import OperatorOptions, run_operator
-from cachepilot_operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from cachepilot.operator import OperatorOptions, run_operator
+from cachepilot.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,8 +15,8 @@ import kopf
 import pytest
 from test_operator_kmock import eventually
 
-from cachepilot_operator.kube import Conflict, KubeClient, NotFound
-from cachepilot_operator.lease import LeaderElector
+from cachepilot.operator.kube import Conflict, KubeClient, NotFound
+from cachepilot.operator.lease import LeaderElector
 
 pytestmark = pytest.mark.timeout(30)
 NS = "serving"

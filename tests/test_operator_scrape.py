@@ -23,8 +23,8 @@ from test_operator_kmock import (
     pool,
 )
 
-from cachepilot.worker.server import WorkerConfig, make_app
-from cachepilot_operator.runner import default_login
+from cachepilot.operator.runner import default_login
+from cachepilot.tooling.sim_worker import WorkerConfig, make_app
 
 pytestmark = pytest.mark.timeout(60)
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")

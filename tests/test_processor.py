@@ -3,8 +3,8 @@
 import orjson
 import pytest
 
-from cachepilot.routing import WorkerMetrics
-from cachepilot_extproc.service import (
+from cachepilot.core import WorkerMetrics
+from cachepilot.gateway.service import (
     DECISION_HEADER,
     DESTINATION_HEADER,
     WORKER_HEADER,
@@ -145,7 +145,7 @@ def test_a_bug_in_routing_costs_one_request_not_the_gateway(proc: Processor,
                                                              monkeypatch) -> None:
     import asyncio
 
-    from cachepilot_extproc.service import ExtProcServicer
+    from cachepilot.gateway.service import ExtProcServicer
 
     def boom(*a, **k):
         raise RuntimeError("bug")

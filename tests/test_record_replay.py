@@ -10,12 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachepilot.cli import main
-from cachepilot.record import Recorder, open_log
-from cachepilot.record.explain import plain_reason, summary
-from cachepilot.record.replay import parse_weights, redecide, replay, replay_policy, reprice
-from cachepilot.record.schema import record_to_candidates
-from cachepilot.record.stats import summarize
-from cachepilot.routing import (
+from cachepilot.core import (
     InferenceRequest,
     Pool,
     PoolSpec,
@@ -24,6 +19,11 @@ from cachepilot.routing import (
     Weights,
     WorkerMetrics,
 )
+from cachepilot.records import Recorder, open_log
+from cachepilot.records.explain import plain_reason, summary
+from cachepilot.records.replay import parse_weights, redecide, replay, replay_policy, reprice
+from cachepilot.records.schema import record_to_candidates
+from cachepilot.records.stats import summarize
 
 POLICIES = ("priced", "round_robin", "least_loaded", "overlap_only")
 
@@ -238,7 +238,7 @@ def test_stats_summary_and_plot(logs: dict[str, Path], tmp_path: Path) -> None:
 
 def test_simulator_log_replays_and_simulates(tmp_path: Path) -> None:
     sim = pytest.importorskip("cachepilot.sim")
-    from cachepilot.record.simulate import simulate_log
+    from cachepilot.sim.replay_log import simulate_log
 
     wl = sim.generate(sim.WorkloadSpec(rate=15, duration=12), 3)
     for policy in ("priced", "adaptive"):

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from cachepilot.record import NullRecorder, Recorder, open_log, open_recorder
-from cachepilot.record.schema import (
+from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router, WorkerMetrics
+from cachepilot.records import NullRecorder, Recorder, open_log, open_recorder
+from cachepilot.records.schema import (
     SCHEMA_VERSION,
     check_record,
     decision_to_record,
     hash_int,
 )
-from cachepilot.record.store import Store
-from cachepilot.routing import InferenceRequest, Pool, PoolSpec, Router, WorkerMetrics
+from cachepilot.records.store import Store
 
 MARKER = "ZEBRA-QUOKKA-4417 is the secret prompt marker"
 
@@ -83,7 +83,7 @@ def test_record_roundtrip_and_outcome_merge(tmp_path: Path) -> None:
 def test_gateway_calls_as_made_by_the_ext_proc_processor(tmp_path: Path) -> None:
     """The gateway's sink calls: decision(d) without a pool (found through the router),
     outcome in the gateway's vocabulary (ttft_kind, aborted, None for unknowns)."""
-    from cachepilot.record.stats import summarize
+    from cachepilot.records.stats import summarize
 
     router, pool = make_router()
     d1, d2 = route(router, 2)
@@ -118,7 +118,7 @@ _KILLED_WRITER = textwrap.dedent("""
     import sys
     sys.path[:0] = {paths!r}
     from tests.test_record_store import make_router, route
-    from cachepilot.record import Recorder
+    from cachepilot.records import Recorder
 
     router, pool = make_router()
     rec = Recorder(sys.argv[1], batch_size=64)
@@ -186,7 +186,7 @@ def test_no_prompt_text_unless_captured(tmp_path: Path, caplog: pytest.LogCaptur
     assert len(open_log(tmp_path / "plain")) == 1
     assert b"ZEBRA-QUOKKA" not in _raw_bytes(tmp_path / "plain")
     # The same call with capture on stores it, and says so loudly: the test above can fail.
-    with caplog.at_level(logging.WARNING, "cachepilot.record"), \
+    with caplog.at_level(logging.WARNING, "cachepilot.records"), \
             Recorder(tmp_path / "captured", capture_prompts=True) as rec:
         rec.decision(d, pool, prompt=MARKER * 20)
     assert b"ZEBRA-QUOKKA" in _raw_bytes(tmp_path / "captured")
@@ -213,7 +213,7 @@ def test_overload_drops_are_counted_and_logged(tmp_path: Path,
     rec.store.write = stalled_write  # type: ignore[method-assign]
     before = _dropped("decision", "queue_full")
     t0 = time.perf_counter()
-    with caplog.at_level(logging.WARNING, "cachepilot.record"):
+    with caplog.at_level(logging.WARNING, "cachepilot.records"):
         accepted = [rec.decision(d, pool) for d in decisions]
     elapsed = time.perf_counter() - t0
     assert elapsed < 1.0  # the request path never waited for the stalled writer

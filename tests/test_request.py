@@ -1,7 +1,7 @@
 import orjson
 import pytest
 
-from cachepilot.routing.request import RequestError, flatten_messages, parse_openai_body
+from cachepilot.core.request import RequestError, flatten_messages, parse_openai_body
 
 
 def body(**kw: object) -> bytes:

@@ -2,8 +2,8 @@ from collections import Counter
 
 import pytest
 
-from cachepilot.routing import InferenceRequest, RequestError, WorkerMetrics
-from cachepilot.routing.cost import CostModel
+from cachepilot.core import InferenceRequest, RequestError, WorkerMetrics
+from cachepilot.core.cost import CostModel
 
 from conftest import WORKERS, make_router
 

@@ -8,11 +8,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cachepilot.routing import InferenceRequest, Pool, PoolSpec, Router
+from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router
 from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate, ideal_ttfts, simulate
+from cachepilot.sim.engine import EngineConfig
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.workloads import MODEL, read_trace, write_trace
-from cachepilot.worker.engine import EngineConfig
 
 from sim_calls import record_core_calls
 

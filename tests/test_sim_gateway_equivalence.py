@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import orjson
 
-from cachepilot.routing import Pool, Router
+from cachepilot.core import Pool, Router
+from cachepilot.gateway.service import DESTINATION_HEADER, Exchange, Processor
 from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate
 from cachepilot.sim.workloads import MODEL, _Tokens
-from cachepilot_extproc.service import DESTINATION_HEADER, Exchange, Processor
 
 from extproc_msgs import body, headers, set_headers
 from sim_calls import record_core_calls

@@ -9,12 +9,12 @@ from typing import ClassVar
 import pytest
 from click.testing import CliRunner
 
-from cachepilot.routing import Weights
-from cachepilot.routing.decision import Candidate, Decision
-from cachepilot.routing.policies import POLICIES, AdaptivePriced, Context
+from cachepilot.core import Weights
+from cachepilot.core.decision import Candidate, Decision
+from cachepilot.core.policies import POLICIES, AdaptivePriced, Context
 from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
 from cachepilot.sim.measures import summarize
-from cachepilot.sim.policies import (
+from cachepilot.sim.peers import (
     PEERS,
     DynamoKV,
     GIEDefault,
@@ -73,7 +73,7 @@ def test_peer_policies_complete_every_request_and_use_the_cache(cls, shared):
 
 class _Req:
     def __init__(self, hashes, user_start=0, tokens=None):
-        from cachepilot.routing import Fingerprint
+        from cachepilot.core import Fingerprint
 
         self.fp = Fingerprint(tuple(hashes), tokens or 16 * len(hashes), 16)
         self.user_start = user_start
@@ -148,7 +148,7 @@ def test_adaptive_weight_moves_in_a_run(hotspot):
 
 
 def test_simulate_cli_json():
-    from cachepilot.sim.cli import simulate_cmd
+    from cachepilot.cli.sim import simulate_cmd
 
     res = CliRunner().invoke(simulate_cmd, ["--policy", "kubeai_chwbl", "--workload", "hotspot",
                                             "--duration", "5", "--json"])

@@ -1,7 +1,7 @@
 """CachePilot: a prefix-cache-aware gateway for LLM inference.
 
-The routing core lives in :mod:`cachepilot.routing` and does no I/O; the gateway
-(:mod:`cachepilot_extproc`), the simulator (:mod:`cachepilot.sim`) and replay drive it.
+The routing core lives in :mod:`cachepilot.core` and does no I/O; the gateway
+(:mod:`cachepilot.gateway`), the simulator (:mod:`cachepilot.sim`) and replay drive it.
 """
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cachepilot.routing import CostModel, Weights
+from cachepilot.core import CostModel, Weights
 from cachepilot.sim.measures import summarize, ttft_sample
 from cachepilot.sim.simulator import SimConfig, Simulator, ideal_ttfts
 from cachepilot.sim.workloads import WorkloadSpec, generate

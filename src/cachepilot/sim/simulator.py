@@ -1,5 +1,5 @@
 """The discrete-event simulator: the gateway's :class:`Router` in front of N
-:class:`~cachepilot.worker.engine.Engine` instances, on a virtual clock.
+:class:`~cachepilot.sim.engine.Engine` instances, on a virtual clock.
 
 Events (a heapq ordered by time, then by insertion) are request arrivals, engine step ends
 and metric scrapes. An idle engine that receives a request starts a step at once; a busy one
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cachepilot.routing import (
+from cachepilot.core import (
     CostModel,
     Decision,
     InferenceRequest,
@@ -35,10 +35,10 @@ from cachepilot.routing import (
     Weights,
     WorkerMetrics,
 )
-from cachepilot.routing.policies import Policy, make_policy
-from cachepilot.sim import policies as _peer_policies  # noqa: F401  (registers peers)
+from cachepilot.core.policies import Policy, make_policy
+from cachepilot.sim import peers as _peer_policies  # noqa: F401  (registers peers)
+from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
-from cachepilot.worker.engine import Engine, EngineConfig, EngineRequest
 
 ARRIVAL, STEP_END, SCRAPE = 0, 1, 2
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachepilot.routing.fingerprint import BlockConfig, Fingerprint, fingerprint
+from cachepilot.core.fingerprint import BlockConfig, Fingerprint, fingerprint
 
 VOCAB = 32000
 MODEL = "sim-model"

@@ -1,0 +1,49 @@
+"""The ``cachepilot`` command. Each subcommand lives beside the code it drives and is imported
+only when used, so ``cachepilot sim-worker`` does not pay for gRPC or kopf imports."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+# name → "module:attribute" of a click command. Add a line here for a new subcommand.
+COMMANDS: dict[str, str] = {
+    "sim-worker": "cachepilot.tooling.sim_worker:sim_worker_cmd",
+    "gateway": "cachepilot.cli.gateway:gateway_cmd",
+    "envoy-config": "cachepilot.cli.gateway:envoy_config_cmd",
+    "up": "cachepilot.tooling.stack:up_cmd",
+    "demo": "cachepilot.tooling.demo:demo_cmd",
+    "simulate": "cachepilot.cli.sim:simulate_cmd",
+    "experiment": "cachepilot.cli.sim:experiment_group",
+    "explain": "cachepilot.cli.records:explain_cmd",
+    "replay": "cachepilot.cli.records:replay_cmd",
+    "decisions": "cachepilot.cli.records:decisions_group",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose ``lazy`` subcommands ("module:attribute") are imported when invoked."""
+
+    def __init__(self, *args: Any, lazy: Mapping[str, str] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = self.lazy.get(name)
+        if target is None:
+            return super().get_command(ctx, name)
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS)
+@click.version_option(package_name="cachepilot")
+def main() -> None:
+    """CachePilot: route LLM requests to the worker that holds their prefix, priced in ms."""

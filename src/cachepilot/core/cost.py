@@ -1,0 +1,104 @@
+"""The cost model: every term in milliseconds of time to first token (TTFT).
+
+Defaults describe a 7–8B model in bf16 on one datacenter GPU (A100/H100 class) under vLLM:
+prefill runs at roughly 10–15k tokens/s (0.08 ms/token), one scheduler step takes ~15 ms,
+and a request already queued delays a newcomer by about one mean prefill-plus-step
+(~150 ms for the 1–2k-token prompts of chat workloads). They are starting points:
+:mod:`cachepilot.core.calibration` fits prefill and queue terms per worker from measured TTFTs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from cachepilot.core.workers import WorkerMetrics, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    prefill_ms_per_token: float = 0.08
+    base_ttft_ms: float = 15.0
+    queue_ms_per_waiting: float = 150.0
+    # Decode steps of running sequences share the GPU with our prefill.
+    queue_ms_per_running: float = 2.0
+    # Above this KV usage, evictions (lost prefixes) and preemptions become likely…
+    kv_threshold: float = 0.8
+    # …costing up to this much at a full cache (a recompute of a preempted request).
+    kv_penalty_ms: float = 1000.0
+    # Metrics older than this are not trusted: the worker is treated as saturated.
+    stale_after_s: float = 5.0
+    # Requests waiting on one worker beyond which it takes no more (→ 429 when all are full).
+    admission_limit: int = 128
+    # The engine's batch size (vLLM's max_num_seqs); 0: learn it from scrapes that show a
+    # queue. Requests sent since the last scrape fill the batch first, then queue.
+    max_batch: int = 0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def with_(self, **changes: float) -> CostModel:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """Multipliers on the priced terms; 1.0 everywhere means "trust the milliseconds"."""
+
+    prefill: float = 1.0
+    load: float = 1.0
+    kv: float = 1.0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A worker's load as the router believes it, stale metrics already made pessimistic."""
+
+    waiting: int
+    running: int
+    kv_usage: float
+    stale: bool
+    age_s: float | None
+
+
+def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
+    """The scraped queue plus requests this router sent that the scrape has not seen yet;
+    missing or stale metrics → saturated, never idle (an unobserved worker is the one most
+    likely to be in trouble)."""
+    m: WorkerMetrics | None = worker.metrics
+    age = worker.metrics_age(now)
+    if m is None or age is None or age > cost.stale_after_s:
+        return Load(waiting=max(cost.admission_limit, worker.inflight), running=0,
+                    kv_usage=1.0, stale=True, age_s=age)
+    unseen = max(0, worker.inflight - (m.waiting + m.running))
+    cap = cost.max_batch or worker.batch_cap_seen
+    joined = unseen if not cap else min(unseen, max(0, cap - m.running))
+    return Load(waiting=m.waiting + unseen - joined, running=m.running + joined,
+                kv_usage=m.kv_usage if m.kv_usage is not None else 0.0, stale=False, age_s=age)
+
+
+def queue_ms(load: Load, worker: WorkerState, cost: CostModel) -> float:
+    """Engine queue (waiting requests wait for a batch slot), decode interference of the
+    running batch, and prefill this router sent that has not produced a first token yet."""
+    per_waiting = worker.queue_ms_per_waiting or cost.queue_ms_per_waiting
+    pending = worker.pending_prefill_tokens * prefill_ms_per_token(worker, cost)
+    return load.waiting * per_waiting + load.running * cost.queue_ms_per_running + pending
+
+
+def kv_pressure_ms(load: Load, new_blocks: int, worker: WorkerState, cost: CostModel) -> float:
+    """Grows quadratically from the threshold to a full cache, counting the blocks this
+    request would add where the worker's block count is known."""
+    usage = load.kv_usage
+    total = worker.metrics.num_blocks if worker.metrics else None
+    if total:
+        usage += new_blocks / total
+    if usage <= cost.kv_threshold:
+        return 0.0
+    x = min(usage, 1.5) - cost.kv_threshold
+    return cost.kv_penalty_ms * (x / (1.0 - cost.kv_threshold)) ** 2
+
+
+def prefill_ms_per_token(worker: WorkerState, cost: CostModel) -> float:
+    return worker.prefill_ms_per_token or cost.prefill_ms_per_token

@@ -1,0 +1,67 @@
+"""A routing decision with every candidate's terms: enough to explain and replay it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cachepilot.core.request import RequestError
+
+
+class RoutingError(RequestError):
+    """No worker can take the request: 503 (none healthy) or 429 (all full)."""
+
+
+@dataclass(slots=True)
+class Candidate:
+    worker: str
+    eligible: bool = True
+    filtered: str | None = None  # why not eligible: "not_ready", "stale", "full"
+    matched_blocks: int = 0
+    matched_tokens: int = 0
+    waiting: int = 0
+    running: int = 0
+    inflight: int = 0
+    kv_usage: float = 0.0
+    metrics_age_ms: float | None = None
+    # Priced terms, all in ms of TTFT.
+    saved_ms: float = 0.0
+    prefill_ms: float = 0.0
+    queue_ms: float = 0.0
+    kv_ms: float = 0.0
+    predicted_ttft_ms: float = 0.0
+    value: float = 0.0  # what the policy maximised
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Decision:
+    id: str
+    time: float
+    pool: str
+    model: str
+    policy: str
+    weights: dict[str, float]
+    seq: int
+    tokens: int
+    block_size: int
+    hashes: tuple[int, ...]
+    candidates: list[Candidate]
+    chosen: str
+    margin_ms: float
+    reason: str
+    # Set by the router: the chosen worker's uncached tokens, counted as pending prefill
+    # there until first_token() or release().
+    uncached_tokens: int = 0
+    prefill_pending: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the adaptive weight in force
+
+    @property
+    def winner(self) -> Candidate:
+        return next(c for c in self.candidates if c.worker == self.chosen)
+
+    @property
+    def predicted_hit(self) -> bool:
+        return self.winner.matched_blocks > 0

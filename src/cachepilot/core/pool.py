@@ -1,0 +1,90 @@
+"""A pool: the workers serving a set of models, with their directory and routing settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cachepilot.core.cost import CostModel, Weights
+from cachepilot.core.directory import PrefixDirectory
+from cachepilot.core.fingerprint import BlockConfig
+from cachepilot.core.policies import Policy, make_policy
+from cachepilot.core.workers import WorkerMetrics, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """Routing settings of a pool: what a CachePilotPool's spec.routing holds."""
+
+    name: str = "default"
+    models: tuple[str, ...] = ()  # empty: serves every model not claimed by another pool
+    policy: str = "priced"
+    weights: Weights = field(default_factory=Weights)
+    cost: CostModel = field(default_factory=CostModel)
+    block: BlockConfig = field(default_factory=BlockConfig)
+    # Blocks per worker in the directory until the engine reports its own (cache_config_info).
+    capacity_blocks: int = 4096
+
+
+class Pool:
+    """Mutable routing state for one pool. Adapters mutate it (workers, metrics); the router
+    reads it and records placements. Not thread-safe: drive it from one event loop."""
+
+    def __init__(self, spec: PoolSpec, policy: Policy | None = None) -> None:
+        self.spec = spec
+        self.policy = policy or make_policy(spec.policy)
+        self.policy.bind(self)
+        self.workers: dict[str, WorkerState] = {}
+        self.directory = PrefixDirectory(spec.capacity_blocks)
+        self.seq = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def reconfigure(self, spec: PoolSpec) -> None:
+        """Apply a changed spec; keep workers and directory (a block-size change empties it,
+        since old hashes would never match again)."""
+        if spec.policy != self.spec.policy:
+            self.policy = make_policy(spec.policy)
+            self.policy.bind(self)
+        if spec.block != self.spec.block:
+            self.directory = PrefixDirectory(spec.capacity_blocks)
+            for w in self.workers:
+                self.directory.add_worker(w)
+        self.spec = spec
+
+    def upsert_worker(self, address: str, *, ready: bool = True,
+                      labels: dict[str, str] | None = None) -> WorkerState:
+        w = self.workers.get(address)
+        if w is None:
+            w = self.workers[address] = WorkerState(address=address, ready=ready)
+            self.directory.add_worker(address)
+        w.ready = ready
+        if labels is not None:
+            w.labels = labels
+        return w
+
+    def remove_worker(self, address: str) -> None:
+        self.workers.pop(address, None)
+        self.directory.remove_worker(address)
+
+    def set_ready(self, address: str, ready: bool) -> None:
+        if address in self.workers:
+            self.workers[address].ready = ready
+
+    def update_metrics(self, address: str, metrics: WorkerMetrics | None,
+                       error: str | None = None) -> None:
+        """Store a scrape. A failed scrape keeps the old metrics, which age into staleness."""
+        w = self.workers.get(address)
+        if w is None:
+            return
+        w.scrape_error = error
+        if metrics is None:
+            return
+        w.metrics = metrics
+        if metrics.waiting > 0:
+            w.batch_cap_seen = max(w.batch_cap_seen, metrics.running)
+        if metrics.num_blocks:
+            engine_block = metrics.block_size or self.spec.block.block_size
+            capacity = metrics.num_blocks * engine_block // self.spec.block.block_size
+            self.directory.set_capacity(address, capacity)

@@ -1,0 +1,186 @@
+"""The router: one synchronous call per request, no I/O, the caller's clock."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from xxhash import xxh3_64_intdigest
+
+from cachepilot.core.cost import (
+    CostModel,
+    Weights,
+    effective_load,
+    kv_pressure_ms,
+    prefill_ms_per_token,
+    queue_ms,
+)
+from cachepilot.core.decision import Candidate, Decision, RoutingError
+from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer, fingerprint
+from cachepilot.core.policies import Context, pick
+from cachepilot.core.pool import Pool, PoolSpec
+from cachepilot.core.request import InferenceRequest, RequestError
+from cachepilot.core.workers import WorkerState
+
+
+class Router:
+    """Routes requests to workers of the pool that serves their model."""
+
+    def __init__(self, pools: Iterable[Pool] = (), *, id_prefix: str | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.pools: dict[str, Pool] = {p.name: p for p in pools}
+        self.tokenizer = tokenizer
+        self._id_prefix = id_prefix if id_prefix is not None else os.urandom(4).hex()
+        self._counter = 0
+
+    def add_pool(self, pool: Pool) -> None:
+        self.pools[pool.name] = pool
+
+    def remove_pool(self, name: str) -> None:
+        self.pools.pop(name, None)
+
+    def pool_for(self, model: str) -> Pool:
+        fallback = None
+        for pool in self.pools.values():
+            if model in pool.spec.models:
+                return pool
+            if not pool.spec.models and fallback is None:
+                fallback = pool
+        if fallback is None:
+            served = sorted({m for p in self.pools.values() for m in p.spec.models})
+            raise RequestError(404, f"model {model!r} is not served here; models: {served}",
+                               code="model_not_found")
+        return fallback
+
+    def fingerprint(self, req: InferenceRequest, pool: Pool) -> Fingerprint:
+        if isinstance(req.fingerprint, Fingerprint):
+            return req.fingerprint
+        return fingerprint(req.model, pool.spec.block, text=req.prompt,
+                           token_ids=req.token_ids, tokenizer=self.tokenizer)
+
+    def next_id(self) -> str:
+        self._counter += 1
+        return f"{self._id_prefix}-{self._counter:x}"
+
+    def route(self, req: InferenceRequest, now: float, decision_id: str | None = None) -> Decision:
+        """Pick a worker, record the placement in the directory, count it in flight."""
+        pool = self.pool_for(req.model)
+        fp = self.fingerprint(req, pool)
+        decision = self.decide(pool, req.model, fp, now, decision_id or self.next_id())
+        worker = pool.workers[decision.chosen]
+        worker.inflight += 1
+        worker.assigned += 1
+        decision.uncached_tokens = fp.tokens - decision.winner.matched_tokens
+        decision.prefill_pending = True
+        worker.pending_prefill_tokens += decision.uncached_tokens
+        pool.directory.insert(decision.chosen, fp.hashes)
+        return decision
+
+    def decide(self, pool: Pool, model: str, fp: Fingerprint, now: float,
+               decision_id: str) -> Decision:
+        """Score every worker and pick one, changing nothing (replay calls this directly)."""
+        spec = pool.spec
+        cost = spec.cost
+        matches = pool.directory.match(fp.hashes, pool.workers)
+        cands: list[Candidate] = []
+        for addr, w in pool.workers.items():
+            load = effective_load(w, now, cost)
+            blocks = matches.get(addr, 0)
+            matched_tokens = min(blocks * fp.block_size, fp.tokens)
+            per_token = prefill_ms_per_token(w, cost)
+            c = Candidate(
+                worker=addr, matched_blocks=blocks, matched_tokens=matched_tokens,
+                waiting=load.waiting, running=load.running, inflight=w.inflight,
+                kv_usage=load.kv_usage,
+                metrics_age_ms=None if load.age_s is None else load.age_s * 1000.0,
+                saved_ms=matched_tokens * per_token,
+                prefill_ms=(fp.tokens - matched_tokens) * per_token,
+                queue_ms=queue_ms(load, w, cost),
+                kv_ms=kv_pressure_ms(load, fp.blocks - blocks, w, cost),
+            )
+            c.predicted_ttft_ms = cost.base_ttft_ms + c.prefill_ms + c.queue_ms + c.kv_ms
+            if not w.ready:
+                c.eligible, c.filtered = False, "not_ready"
+            elif load.stale:
+                c.eligible, c.filtered = False, "stale"
+            elif load.waiting >= cost.admission_limit:
+                c.eligible, c.filtered = False, "full"
+            cands.append(c)
+        return self._pick(pool, model, fp, now, decision_id, cands)
+
+    def _pick(self, pool: Pool, model: str, fp: Fingerprint, now: float, decision_id: str,
+              cands: list[Candidate]) -> Decision:
+        eligible = [c for c in cands if c.eligible]
+        if not eligible:
+            raise self._no_worker(pool, cands)
+        ctx = Context(seq=pool.seq, tokens=fp.tokens, weights=pool.spec.weights)
+        values = pool.policy.values(eligible, ctx)
+        for c, v in zip(eligible, values, strict=True):
+            c.value = v
+        i, margin = pick(values, pool.policy.tie_tolerance, xxh3_64_intdigest(decision_id.encode()))
+        chosen = eligible[i]
+        pool.seq += 1
+        learned = getattr(pool.policy, "load_weight", None)  # the adaptive weight in force
+        return Decision(
+            id=decision_id, time=now, pool=pool.name, model=model, policy=pool.policy.name,
+            weights=pool.spec.weights.to_dict(), seq=ctx.seq, tokens=fp.tokens,
+            block_size=fp.block_size, hashes=fp.hashes, candidates=cands,
+            chosen=chosen.worker, margin_ms=margin, reason=_reason(chosen, eligible, margin),
+            extra={} if learned is None else {"load_weight": learned},
+        )
+
+    @staticmethod
+    def _no_worker(pool: Pool, cands: list[Candidate]) -> RoutingError:
+        if not any(c.filtered in ("full", "stale") for c in cands):
+            return RoutingError(503, f"pool {pool.name!r} has no ready worker",
+                                code="no_healthy_worker")
+        full = [c for c in cands if c.filtered == "full"]
+        wait_ms = min((c.queue_ms for c in full), default=1000.0)
+        return RoutingError(429, f"every worker of pool {pool.name!r} is at its admission "
+                            "limit or unobserved; retry later", code="overloaded",
+                            retry_after_s=max(1.0, round(wait_ms / 1000.0)))
+
+    def first_token(self, decision: Decision) -> None:
+        """The worker answered: this request's prefill no longer queues ahead of others."""
+        if not decision.prefill_pending:
+            return
+        decision.prefill_pending = False
+        w = self._worker_of(decision)
+        if w is not None:
+            w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
+
+    def release(self, decision: Decision) -> None:
+        """The request finished (or failed): it no longer occupies its worker."""
+        self.first_token(decision)
+        w = self._worker_of(decision)
+        if w is not None and w.inflight > 0:
+            w.inflight -= 1
+
+    def _worker_of(self, decision: Decision) -> WorkerState | None:
+        pool = self.pools.get(decision.pool)
+        return None if pool is None else pool.workers.get(decision.chosen)
+
+
+def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],
+                  block: BlockConfig, capacity_blocks: int, engine: str,
+                  cost: CostModel | None = None, pool_name: str = "default",
+                  tokenizer: Tokenizer | None = None) -> Router:
+    """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
+    spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
+                    block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel())
+    pool = Pool(spec)
+    for addr in workers:
+        pool.upsert_worker(addr, labels={"engine": engine})
+    return Router([pool], tokenizer=tokenizer)
+
+
+def _reason(chosen: Candidate, eligible: list[Candidate], margin: float) -> str:
+    """One plain sentence for `cachepilot explain`."""
+    if len(eligible) == 1:
+        return "only eligible worker"
+    hit = (f"{chosen.matched_tokens} cached prompt tokens save {chosen.saved_ms:.0f} ms"
+           if chosen.matched_tokens else "no cached prefix anywhere useful")
+    if margin <= 0:
+        return f"tie broken by request hash; {hit}"
+    return (f"{hit}; queue {chosen.queue_ms:.0f} ms, KV pressure {chosen.kv_ms:.0f} ms; "
+            f"best by {margin:.1f}")

@@ -1,0 +1,44 @@
+"""What the router knows about a worker: scraped engine metrics plus its own bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMetrics:
+    """One scrape of an engine's metrics, engine-neutral (vLLM names are the reference)."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float | None = None  # 0–1; None when the engine does not say (llama.cpp)
+    block_size: int | None = None  # from vllm:cache_config_info
+    num_blocks: int | None = None
+    prefix_queries: float | None = None  # tokens, cumulative
+    prefix_hits: float | None = None
+    scraped_at: float = 0.0  # caller's clock
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """A registered worker. ``inflight`` counts requests this router sent that have not
+    finished: it sees a burst before the next scrape does."""
+
+    address: str  # "ip:port", exactly what Envoy's ORIGINAL_DST cluster connects to
+    ready: bool = True
+    metrics: WorkerMetrics | None = None
+    inflight: int = 0
+    # Uncached prompt tokens of requests sent here whose first token has not come back:
+    # prefill work ahead of a newcomer that no scrape has seen yet.
+    pending_prefill_tokens: int = 0
+    assigned: int = 0
+    # Largest running count seen while requests waited: the engine's batch size, learned.
+    batch_cap_seen: int = 0
+    scrape_error: str | None = None
+    # Online calibration (cachepilot.core.calibration) may set per-worker cost parameters.
+    prefill_ms_per_token: float | None = None
+    queue_ms_per_waiting: float | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def metrics_age(self, now: float) -> float | None:
+        return None if self.metrics is None else max(0.0, now - self.metrics.scraped_at)

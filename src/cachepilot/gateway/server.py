@@ -1,0 +1,211 @@
+"""The gateway process: ext_proc over grpc.aio, gRPC health, the admin/metrics HTTP API and
+the scraper, all on one asyncio loop around one Router (which is not thread-safe)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from cachepilot.core.calibration import Calibrator
+from cachepilot.core.router import Router
+from cachepilot.gateway.gateway_metrics import GatewayMetrics
+from cachepilot.gateway.scrape import Scraper
+from cachepilot.gateway.service import (
+    DecisionSink,
+    ExtProcServicer,
+    GatewayOptions,
+    Processor,
+)
+from cachepilot.records import open_recorder
+from cachepilot.records.explain import summary
+
+log = logging.getLogger("cachepilot.gateway")
+
+
+@dataclass
+class GatewayConfig:
+    grpc_address: str = "127.0.0.1:9002"
+    admin_host: str = "127.0.0.1"  # loopback unless an admin token is set
+    admin_port: int = 9090
+    admin_token: str | None = None
+    scrape_interval_s: float = 0.25
+    scrape_timeout_s: float = 1.0
+    scrape: bool = True  # off when the operator scrapes instead
+    options: GatewayOptions | None = None
+    grace_s: float = 5.0
+    decision_log: str | None = None  # record every decision here (LMDB directory)
+    calibrate: bool = True  # fit per-worker prefill and queue costs to measured TTFTs
+
+
+class Gateway:
+    def __init__(self, router: Router, config: GatewayConfig | None = None,
+                 sink: DecisionSink | None = None) -> None:
+        self.router = router
+        self.config = config or GatewayConfig()
+        self.metrics = GatewayMetrics()
+        options = self.config.options or GatewayOptions()
+        self.recorder = open_recorder(self.config.decision_log, router=router,
+                                      registry=self.metrics.registry,
+                                      capture_prompts=options.capture_prompts
+                                      ) if sink is None else None
+        self.sink: DecisionSink = sink or self.recorder  # type: ignore[assignment]
+        self.calibrator = Calibrator() if self.config.calibrate else None
+        self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
+                                   options=options, calibrator=self.calibrator)
+        self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
+                               timeout_s=self.config.scrape_timeout_s)
+        self.health = health.aio.HealthServicer()
+        self._grpc: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Future[Any]] = []
+        self.failed = asyncio.Event()
+        self.grpc_port = 0
+        self.admin_port = 0
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.grpc_port = server.add_insecure_port(self.config.grpc_address)
+        if not self.grpc_port:
+            raise OSError(f"cannot listen on {self.config.grpc_address}")
+        await server.start()
+        self._grpc = server
+        if self.config.scrape:
+            self._tasks.append(asyncio.create_task(self.scraper.run()))
+        self._runner = web.AppRunner(self._admin_app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.admin_host, self.config.admin_port)
+        await site.start()
+        self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("gateway: ext_proc on :%d, admin on %s:%d", self.grpc_port,
+                 self.config.admin_host, self.admin_port)
+
+    def add_task(self, coro: Awaitable[Any]) -> None:
+        """Run something (the operator) for the gateway's lifetime; cancelled at stop().
+        If it fails, the gateway stops too: better a visible crash loop than routing on a
+        view that no longer updates."""
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Future[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed; stopping", exc_info=task.exception())
+            self.failed.set()
+
+    async def stop(self) -> None:
+        """Graceful: report NOT_SERVING, let open streams finish for ``grace_s``, then stop."""
+        await self.health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(self.config.grace_s)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.scraper.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.recorder is not None:
+            self.recorder.close()
+
+    # -- admin API ----------------------------------------------------------------------------
+    def _admin_app(self) -> web.Application:
+        token = self.config.admin_token
+
+        @web.middleware
+        async def auth(request: web.Request, handler: Callable[..., Awaitable[web.StreamResponse]]
+                       ) -> web.StreamResponse:
+            public = request.path in ("/healthz", "/readyz", "/metrics")
+            if token and not public and request.headers.get("authorization") != f"Bearer {token}":
+                return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[auth])
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/workers", self._workers)
+        app.router.add_get("/pools", self._pools)
+        app.router.add_get("/decisions/{id}", self._decision)
+        app.router.add_get("/calibration", self._calibration)
+        return app
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _readyz(self, _: web.Request) -> web.Response:
+        ready = any(w.ready and w.metrics is not None
+                    for p in self.router.pools.values() for w in p.workers.values())
+        return web.Response(text="ready" if ready else "no ready worker",
+                            status=200 if ready else 503)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        self.metrics.refresh_workers(self.router)
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _workers(self, _: web.Request) -> web.Response:
+        out = []
+        for pool in self.router.pools.values():
+            for addr, w in pool.workers.items():
+                m = w.metrics
+                out.append({"pool": pool.name, "address": addr, "ready": w.ready,
+                            "inflight": w.inflight, "assigned": w.assigned,
+                            "pending_prefill_tokens": w.pending_prefill_tokens,
+                            "waiting": m.waiting if m else None,
+                            "running": m.running if m else None,
+                            "kv_usage": m.kv_usage if m else None,
+                            "scraped_at": m.scraped_at if m else None,
+                            "scrape_error": w.scrape_error})
+        return web.json_response(out)
+
+    async def _pools(self, _: web.Request) -> web.Response:
+        return web.json_response([{
+            "name": p.name, "models": list(p.spec.models), "policy": p.policy.name,
+            "weights": p.spec.weights.to_dict(), "block_size": p.spec.block.block_size,
+            "decisions": p.seq, "directory": p.directory.stats(),
+            "distinct_blocks": p.directory.distinct_blocks()} for p in self.router.pools.values()])
+
+    async def _decision(self, request: web.Request) -> web.Response:
+        if not self.config.decision_log or self.recorder is None:
+            return web.json_response({"error": "no decision log configured "
+                                               "(--decision-log)"}, status=404)
+        rec = self.recorder.get(request.match_info["id"])
+        if rec is None:
+            return web.json_response({"error": "no such decision"}, status=404)
+        return web.json_response({"record": rec, "explanation": summary(rec)})
+
+    async def _calibration(self, _: web.Request) -> web.Response:
+        if self.calibrator is None:
+            return web.json_response({"error": "calibration is off"}, status=404)
+        return web.json_response(self.calibrator.estimates())
+
+
+async def serve(gateway: Gateway, ready: Callable[[Gateway], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully."""
+    await gateway.start()
+    if ready:
+        ready(gateway)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gateway.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    await gateway.stop()
+    if gateway.failed.is_set():
+        raise SystemExit(1)

@@ -1,0 +1,304 @@
+"""Envoy's ExternalProcessor stream, one per HTTP request, as a small state machine.
+
+Request headers → note method, path, content length. Non-inference requests are answered at
+once (any ready worker). For inference requests the answer waits for the body: Envoy streams
+it without waiting for that answer (``send_body_without_waiting_for_header_response``), so
+routing costs one round trip, not two.
+Request body (STREAMED chunks) → collect; at the last chunk parse, route, and answer the
+headers with the destination header that Envoy's ORIGINAL_DST cluster reads (then one empty
+answer per chunk), or answer with a JSON error (ImmediateResponse).
+Response headers → hand the decision id and worker back to the client; first byte time.
+Response body (STREAMED, optional) → first token time and the worker's cached-token count.
+The stream's end, however it ends, releases the request's place on its worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+
+from cachepilot.core.calibration import Calibrator
+from cachepilot.core.decision import Decision
+from cachepilot.core.request import RequestError, inference_path, parse_openai_body
+from cachepilot.core.router import Router
+from cachepilot.gateway.gateway_metrics import GatewayMetrics
+from cachepilot.records import NullRecorder
+
+log = logging.getLogger("cachepilot.extproc")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"  # as the Gateway API Inference Extension
+DECISION_HEADER = "x-cachepilot-decision-id"
+WORKER_HEADER = "x-cachepilot-worker"
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_CACHE_N_RE = re.compile(rb'"cache_n"\s*:\s*(\d+)')  # llama.cpp /completion timings
+_TAIL = 512  # bytes of the previous chunk kept so a split "cached_tokens" is still found
+
+
+class DecisionSink(Protocol):
+    """Where decisions and their outcomes go: cachepilot.records's Recorder or NullRecorder."""
+
+    def decision(self, decision: Decision, pool: Any = None, *,
+                 prompt: str | None = None) -> Any: ...
+
+    def outcome(self, decision_id: str, **fields: Any) -> Any: ...
+
+
+@dataclass
+class GatewayOptions:
+    max_body_bytes: int = 8 * 1024 * 1024
+    capture_prompts: bool = False  # hand raw prompts to the sink (off: hashes only)
+    # Must match Envoy's config: off, the stream ends with the request phase, so a request
+    # stops counting as in flight once routed and no outcome is recorded.
+    observe_responses: bool = True
+
+
+def _headers(pairs: dict[str, str]) -> ep.HeaderMutation:
+    return ep.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                   append_action=_OVERWRITE)
+        for k, v in pairs.items()])
+
+
+def immediate(err: RequestError) -> ep.ProcessingResponse:
+    """A JSON error straight back to the client; Envoy never contacts a worker."""
+    hdrs = {"content-type": "application/json"}
+    if err.retry_after_s is not None:
+        hdrs["retry-after"] = str(int(err.retry_after_s))
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=err.status), headers=_headers(hdrs),
+        body=err.to_json(), details=f"cachepilot_{err.code}"))
+
+
+@dataclass
+class Exchange:
+    """What one HTTP exchange has told us so far."""
+
+    method: str = ""
+    path: str = ""
+    content_length: int | None = None
+    stream: bool = False
+    decision: Decision | None = None
+    started: float = 0.0
+    status: int | None = None
+    first_byte_s: float | None = None
+    first_token_s: float | None = None
+    cached_tokens: int | None = None
+    tail: bytes = b""
+    body: bytearray = field(default_factory=bytearray)
+    chunks: int = 0  # request body messages not yet answered
+    inference: bool = False
+    done: bool = False
+
+
+class Processor:
+    """The state machine, free of gRPC so tests and the simulator-equivalence check can
+    drive it with plain ProcessingRequest messages."""
+
+    def __init__(self, router: Router, *, metrics: GatewayMetrics | None = None,
+                 sink: DecisionSink | None = None, options: GatewayOptions | None = None,
+                 calibrator: Calibrator | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.router = router
+        self.metrics = metrics or GatewayMetrics()
+        self.sink: DecisionSink = sink or NullRecorder()
+        self.calibrator = calibrator
+        self.options = options or GatewayOptions()
+        self.clock = clock
+        self._passthrough_seq = 0
+
+    def handle(self, ex: Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """Answer one message from Envoy: zero or more responses, in the order Envoy expects."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(ex, msg.request_headers)
+        if kind == "request_body":
+            return self._request_body(ex, msg.request_body)
+        if kind == "response_headers":
+            return [self._response_headers(ex, msg.response_headers)]
+        if kind == "response_body":
+            return [self._response_body(ex, msg.response_body)]
+        if kind == "request_trailers":
+            return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+        if kind == "response_trailers":
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
+        raise RequestError(400, f"unexpected ext_proc message {kind!r}")
+
+    # -- request ------------------------------------------------------------------------------
+    def _request_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
+        ex.started = self.clock()
+        for h in msg.headers.headers:
+            value = h.raw_value.decode("latin-1") if h.raw_value else h.value
+            if h.key == ":path":
+                ex.path = value
+            elif h.key == ":method":
+                ex.method = value
+            elif h.key == "content-length":
+                ex.content_length = int(value) if value.isdigit() else None
+        ex.inference = bool(inference_path(ex.path)) and ex.method == "POST"
+        if not ex.inference:  # GET /v1/models, /health, …: any ready worker answers
+            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+                response=self._passthrough()))]
+        limit = self.options.max_body_bytes
+        if ex.content_length is not None and ex.content_length > limit:
+            return [self._error(RequestError(
+                413, f"request body is {ex.content_length} bytes; the limit is {limit}",
+                code="body_too_large"))]
+        if msg.end_of_stream:
+            return [self._error(RequestError(400, "request body is empty"))]
+        return []  # answered with the destination once the body is complete
+
+    def _request_body(self, ex: Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        if not ex.inference:
+            return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
+        ex.body += msg.body
+        ex.chunks += 1
+        if len(ex.body) > self.options.max_body_bytes:
+            return [self._error(RequestError(
+                413, f"request body exceeds the limit of {self.options.max_body_bytes} bytes",
+                code="body_too_large"))]
+        if not msg.end_of_stream:
+            return []
+        t0 = time.perf_counter()
+        try:
+            req = parse_openai_body(ex.path, bytes(ex.body))
+            decision = self.router.route(req, self.clock())
+        except RequestError as err:
+            return [self._error(err)]
+        finally:
+            ex.body = bytearray()
+        elapsed = time.perf_counter() - t0
+        ex.decision, ex.stream = decision, req.stream
+        m = self.metrics
+        m.decision_latency.labels(decision.pool).observe(elapsed)
+        m.decisions.labels(decision.pool, decision.policy, "routed").inc()
+        if decision.predicted_hit:
+            m.predicted_hits.labels(decision.pool).inc()
+        pool = self.router.pools.get(decision.pool)
+        if self.calibrator is not None and pool is not None:
+            self.calibrator.routed(decision, pool)
+        self.sink.decision(decision, pool,
+                           prompt=req.prompt if self.options.capture_prompts else None)
+        mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
+        out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)))]
+        out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * ex.chunks
+        ex.chunks = 0
+        return out
+
+    def _passthrough(self) -> ep.CommonResponse:
+        """Non-inference requests go to any ready worker, in turn."""
+        ready = sorted(addr for pool in self.router.pools.values()
+                       for addr, w in pool.workers.items() if w.ready)
+        if not ready:
+            return ep.CommonResponse()  # Envoy answers 503: nothing to send it to
+        self._passthrough_seq += 1
+        self.metrics.passthrough.inc()
+        target = ready[self._passthrough_seq % len(ready)]
+        return ep.CommonResponse(header_mutation=_headers({DESTINATION_HEADER: target}),
+                                 clear_route_cache=True)
+
+    def _error(self, err: RequestError) -> ep.ProcessingResponse:
+        self.metrics.errors.labels(str(err.status)).inc()
+        return immediate(err)
+
+    # -- response -----------------------------------------------------------------------------
+    def _response_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
+        now = self.clock()
+        ex.first_byte_s = now - ex.started
+        for h in msg.headers.headers:
+            if h.key == ":status":
+                raw = h.raw_value.decode() if h.raw_value else h.value
+                ex.status = int(raw) if raw.isdigit() else None
+        d = ex.decision
+        if d is None:
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        if not ex.stream:  # a non-streamed answer arrives whole: its headers are its first token
+            self.router.first_token(d)
+        if msg.end_of_stream:
+            self.finish(ex)
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=_headers({DECISION_HEADER: d.id, WORKER_HEADER: d.chosen}))))
+
+    def _response_body(self, ex: Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
+        d = ex.decision
+        if d is not None:
+            if ex.first_token_s is None and msg.body:
+                ex.first_token_s = self.clock() - ex.started
+                self.router.first_token(d)
+                if ex.stream:  # a real first token: let the cost model and policy learn
+                    ttft_ms = ex.first_token_s * 1000.0
+                    if self.calibrator is not None:
+                        self.calibrator.observe(d.id, ttft_ms)
+                    pool = self.router.pools.get(d.pool)
+                    if pool is not None:
+                        pool.policy.observe(d, ttft_ms)
+            window = ex.tail + msg.body
+            found = _CACHED_RE.findall(window) or _CACHE_N_RE.findall(window)
+            if found:
+                ex.cached_tokens = int(found[-1])
+            ex.tail = window[-_TAIL:]
+            if msg.end_of_stream:
+                self.finish(ex)
+        return ep.ProcessingResponse(response_body=ep.BodyResponse())
+
+    def finish(self, ex: Exchange, aborted: bool = False) -> None:
+        """Release the worker slot once, and report the outcome."""
+        if ex.done or ex.decision is None:
+            return
+        ex.done = True
+        d = ex.decision
+        self.router.release(d)
+        if self.calibrator is not None:
+            self.calibrator.forget(d.id)
+        if not self.options.observe_responses:
+            return
+        ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
+        pool = d.pool
+        if ex.stream and ttft_s is not None and not aborted:  # only real first tokens
+            self.metrics.ttft_error.labels(pool).observe(
+                abs(ttft_s * 1000.0 - d.winner.predicted_ttft_ms))
+        if ex.cached_tokens is not None:
+            self.metrics.hit_outcomes.labels(pool, str(d.predicted_hit).lower(),
+                                             str(ex.cached_tokens > 0).lower()).inc()
+        self.sink.outcome(d.id, status=ex.status, aborted=aborted,
+                          ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
+                          ttft_kind="first_token" if ex.stream else "first_byte",
+                          first_byte_ms=None if ex.first_byte_s is None
+                          else ex.first_byte_s * 1000.0,
+                          cached_tokens=ex.cached_tokens, completed_at=self.clock())
+
+
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+    """grpc.aio adapter: one Exchange per stream; never lets an exception kill the server."""
+
+    def __init__(self, processor: Processor) -> None:
+        self.processor = processor
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
+        ex = Exchange()
+        try:
+            async for msg in request_iterator:
+                try:
+                    for resp in self.processor.handle(ex, msg):
+                        yield resp
+                except RequestError as err:
+                    yield immediate(err)
+                except Exception:  # a bug must cost one request, not the gateway
+                    log.exception("ext_proc message failed")
+                    yield immediate(RequestError(500, "internal routing error",
+                                                 code="internal_error"))
+        finally:
+            self.processor.finish(ex, aborted=not ex.done)

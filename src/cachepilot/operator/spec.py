@@ -1,0 +1,269 @@
+"""CachePilotPool and Pod bodies → the plain values the controller works with.
+
+Everything here is pure: parsing, validation, label selectors, port resolution. The API
+server already applies the CRD schema, but the operator validates again because a pool may
+come from a cluster whose CRD is older or missing its schema, and an invalid pool must end
+up as a condition with a reason, never as an exception in a handler (kopf would retry it
+forever).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
+from cachepilot.core.policies import POLICIES
+from cachepilot.gateway.engine_metrics import ENGINES
+from cachepilot.operator import crd
+
+PortRef = int | str | None
+
+
+class InvalidSpec(ValueError):
+    """A pool spec the operator cannot route with; ``reason`` becomes the condition reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    key: str
+    operator: str  # In, NotIn, Exists, DoesNotExist
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        present = self.key in labels
+        if self.operator == "In":
+            return present and labels[self.key] in self.values
+        if self.operator == "NotIn":
+            return not present or labels[self.key] not in self.values
+        if self.operator == "Exists":
+            return present
+        return not present  # DoesNotExist
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """A Kubernetes label selector (matchLabels are ANDed with matchExpressions)."""
+
+    requirements: tuple[Requirement, ...]
+
+    def matches(self, labels: Mapping[str, str] | None) -> bool:
+        labels = labels or {}
+        return all(r.matches(labels) for r in self.requirements)
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    port: PortRef
+    path: str
+    interval_s: float
+    timeout_s: float
+    stale_after_s: float
+    engine: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """A validated CachePilotPool: what to select, where to send and scrape, how to route."""
+
+    selector: Selector
+    port: PortRef
+    scrape: ScrapeConfig
+    spec: PoolSpec
+    generation: int = 0
+    raw_selector: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+def parse_selector(raw: Any) -> Selector:
+    if not isinstance(raw, Mapping) or not raw:
+        raise InvalidSpec("InvalidSelector", "spec.selector is missing or empty: it would "
+                          "select every pod in the namespace")
+    reqs: list[Requirement] = []
+    match_labels = raw.get("matchLabels") or {}
+    if not isinstance(match_labels, Mapping):
+        raise InvalidSpec("InvalidSelector", "spec.selector.matchLabels must be a map")
+    for k, v in sorted(match_labels.items()):
+        reqs.append(Requirement(str(k), "In", frozenset({str(v)})))
+    for expr in raw.get("matchExpressions") or []:
+        op = expr.get("operator") if isinstance(expr, Mapping) else None
+        key = expr.get("key") if isinstance(expr, Mapping) else None
+        values = expr.get("values") or [] if isinstance(expr, Mapping) else []
+        if not key or op not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            raise InvalidSpec("InvalidSelector", f"bad matchExpression {expr!r}")
+        if op in ("In", "NotIn") and not values:
+            raise InvalidSpec("InvalidSelector", f"{op} needs values: {expr!r}")
+        reqs.append(Requirement(str(key), op, frozenset(map(str, values))))
+    if not reqs:
+        raise InvalidSpec("InvalidSelector", "spec.selector selects every pod; give labels")
+    return Selector(tuple(reqs))
+
+
+def _port_ref(value: Any, where: str) -> PortRef:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidSpec("InvalidPort", f"{where} must be a port number or name")
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int):
+        if not 1 <= value <= 65535:
+            raise InvalidSpec("InvalidPort", f"{where}={value} is not a TCP port")
+        return value
+    if isinstance(value, str) and value:
+        return value
+    raise InvalidSpec("InvalidPort", f"{where} must be a port number or name, not {value!r}")
+
+
+def _number(section: Mapping[str, Any], key: str, default: float, where: str,
+            minimum: float = 0.0) -> float:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidSpec("InvalidSpec", f"{where}.{key} must be a number, not {value!r}")
+    if value < minimum:
+        raise InvalidSpec("InvalidSpec", f"{where}.{key}={value} is below {minimum}")
+    return float(value)
+
+
+def _section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = spec.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise InvalidSpec("InvalidSpec", f"spec.{key} must be an object")
+    return value
+
+
+def parse_pool(name: str, body: Mapping[str, Any]) -> PoolConfig:
+    """Validate a CachePilotPool body. Raises :class:`InvalidSpec` with a condition reason."""
+    spec = body.get("spec")
+    if not isinstance(spec, Mapping):
+        raise InvalidSpec("InvalidSpec", "spec is missing")
+    selector = parse_selector(spec.get("selector"))
+    port = _port_ref(spec.get("port"), "spec.port")
+
+    models = spec.get("models") or []
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise InvalidSpec("InvalidSpec", "spec.models must be a list of model names")
+
+    scrape = _section(spec, "scrape")
+    engine = scrape.get("engine", crd.DEFAULT_ENGINE)
+    if engine not in ENGINES:
+        raise InvalidSpec("UnknownEngine",
+                          f"spec.scrape.engine {engine!r} is not one of {', '.join(ENGINES)}")
+    path = scrape.get("path", crd.DEFAULT_SCRAPE_PATH)
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidSpec("InvalidSpec", f"spec.scrape.path must start with '/': {path!r}")
+    interval = _number(scrape, "intervalSeconds", crd.DEFAULT_SCRAPE_INTERVAL_S,
+                       "spec.scrape", 0.05)
+    timeout = _number(scrape, "timeoutSeconds", min(crd.DEFAULT_SCRAPE_TIMEOUT_S, interval),
+                      "spec.scrape", 0.01)
+    base_cost = CostModel()
+    # A worker counts as stale only after missing several scrapes: with the cost model's
+    # 5 s default and a 10 s interval every worker would look saturated between scrapes.
+    stale = _number(scrape, "staleAfterSeconds", max(base_cost.stale_after_s, 3 * interval),
+                    "spec.scrape", 0.1)
+
+    routing = _section(spec, "routing")
+    policy = routing.get("policy", PoolSpec().policy)
+    if policy not in POLICIES:
+        raise InvalidSpec("UnknownPolicy", f"spec.routing.policy {policy!r} is not one of "
+                          f"{', '.join(sorted(POLICIES))}")
+    w = _section(routing, "weights")
+    d = Weights()
+    weights = Weights(prefill=_number(w, "prefill", d.prefill, "spec.routing.weights"),
+                      load=_number(w, "load", d.load, "spec.routing.weights"),
+                      kv=_number(w, "kv", d.kv, "spec.routing.weights"))
+    b = BlockConfig()
+    block_size = routing.get("blockSize", b.block_size)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise InvalidSpec("InvalidSpec", f"spec.routing.blockSize must be a positive integer, "
+                          f"not {block_size!r}")
+    block = BlockConfig(block_size=block_size,
+                        chars_per_token=_number(routing, "charsPerToken", b.chars_per_token,
+                                                "spec.routing", 0.1))
+    c = _section(routing, "cost")
+    changes: dict[str, float] = {}
+    for attr, key in crd.COST_FIELDS.items():
+        if key in c:
+            value = _number(c, key, getattr(base_cost, attr), "spec.routing.cost")
+            changes[attr] = int(value) if isinstance(getattr(base_cost, attr), int) else value
+    cost = base_cost.with_(stale_after_s=stale, **changes)
+
+    capacity = spec.get("capacityBlocks", PoolSpec().capacity_blocks)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise InvalidSpec("InvalidSpec", "spec.capacityBlocks must be a positive integer")
+
+    generation = body.get("metadata", {}).get("generation") or 0
+    return PoolConfig(
+        selector=selector,
+        port=port,
+        scrape=ScrapeConfig(port=_port_ref(scrape.get("port"), "spec.scrape.port"),
+                            path=path, interval_s=interval, timeout_s=min(timeout, interval),
+                            stale_after_s=stale, engine=engine),
+        spec=PoolSpec(name=name, models=tuple(models), policy=policy, weights=weights,
+                      cost=cost, block=block, capacity_blocks=capacity),
+        generation=int(generation),
+        raw_selector=spec.get("selector") or {},
+    )
+
+
+# ---- pods -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """The parts of a Pod the operator needs, copied out of kopf's body."""
+
+    name: str
+    uid: str
+    labels: Mapping[str, str]
+    ip: str | None
+    ready: bool  # Ready condition True, not terminating, not finished
+    terminating: bool
+    ports: tuple[tuple[str | None, int], ...]  # (name, containerPort) over all containers
+
+
+def pod_view(body: Mapping[str, Any]) -> PodView:
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    spec = body.get("spec") or {}
+    terminating = bool(meta.get("deletionTimestamp"))
+    conditions = status.get("conditions") or []
+    cond_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    finished = status.get("phase") in ("Succeeded", "Failed")
+    ports = tuple(
+        (p.get("name"), int(p["containerPort"]))
+        for c in spec.get("containers") or []
+        for p in c.get("ports") or []
+        if isinstance(p.get("containerPort"), int)
+    )
+    ip = status.get("podIP") or None
+    return PodView(
+        name=meta.get("name", ""), uid=meta.get("uid", ""), labels=dict(meta.get("labels") or {}),
+        ip=ip, ready=cond_ready and not terminating and not finished and ip is not None,
+        terminating=terminating, ports=ports,
+    )
+
+
+def resolve_port(ref: PortRef, pod: PodView) -> int | None:
+    """A port number for ``ref`` on ``pod``: numbers as is, names through the containers'
+    declared ports, ``None`` through the pod's only declared port."""
+    if isinstance(ref, int):
+        return ref
+    if ref is None:
+        numbers = {n for _, n in pod.ports}
+        return numbers.pop() if len(numbers) == 1 else None
+    for name, number in pod.ports:
+        if name == ref:
+            return number
+    return None
+
+
+def host_port(ip: str, port: int) -> str:
+    """``ip:port`` as Envoy's ORIGINAL_DST cluster reads it (IPv6 in brackets)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

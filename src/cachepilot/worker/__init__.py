@@ -1,2 +1,0 @@
-"""A continuous-batching LLM engine model: one model, two clocks (real time in the simulated
-worker server, virtual time in the simulator)."""
