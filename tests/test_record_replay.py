@@ -19,9 +19,10 @@ from cachepilot.core import (
     Weights,
     WorkerMetrics,
 )
+from cachepilot.core.cost import parse_weights
 from cachepilot.records import Recorder, open_log
 from cachepilot.records.explain import plain_reason, summary
-from cachepilot.records.replay import parse_weights, redecide, replay, replay_policy, reprice
+from cachepilot.records.replay import redecide, replay, replay_policy, reprice
 from cachepilot.records.schema import record_to_candidates
 from cachepilot.records.stats import summarize
 

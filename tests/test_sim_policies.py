@@ -11,11 +11,12 @@ from click.testing import CliRunner
 
 from cachepilot.core import Weights
 from cachepilot.core.decision import Candidate, Decision
-from cachepilot.core.policies import POLICIES, AdaptivePriced, Context
+from cachepilot.core.policies import LIVE_POLICIES, AdaptivePriced, Context
 from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.peers import (
     PEERS,
+    SIM_POLICIES,
     DynamoKV,
     GIEDefault,
     KubeAICHWBL,
@@ -62,7 +63,7 @@ def test_priced_beats_round_robin_on_shared_prefixes(shared):
 
 @pytest.mark.parametrize("cls", PEERS, ids=lambda c: c.name)
 def test_peer_policies_complete_every_request_and_use_the_cache(cls, shared):
-    assert cls.name in POLICIES
+    assert cls.name in SIM_POLICIES and cls.name not in LIVE_POLICIES
     s = summarize(simulate(shared, SimConfig(policy=cls.name)))
     assert s["completed"] == s["requests"] and s["rejected"] == 0
     assert s["imbalance_assigned"] < 2.0

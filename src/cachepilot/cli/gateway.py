@@ -8,32 +8,25 @@ import sys
 
 import click
 
+from cachepilot.core import cost
 from cachepilot.core.cost import Weights
 from cachepilot.core.fingerprint import BlockConfig, load_tokenizer
-from cachepilot.core.policies import POLICIES
+from cachepilot.core.policies import LIVE_POLICIES
 from cachepilot.core.router import Router, static_router
 
 
 def parse_weights(text: str | None) -> Weights:
     """``prefill=1,load=2,kv=0.5`` → Weights; unknown names are an error, not ignored."""
-    if not text:
-        return Weights()
-    values: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, value = part.partition("=")
-        if not sep or name.strip() not in ("prefill", "load", "kv"):
-            raise click.BadParameter(f"expected prefill=X,load=Y,kv=Z; got {part!r}")
-        try:
-            values[name.strip()] = float(value)
-        except ValueError:
-            raise click.BadParameter(f"{name}: {value!r} is not a number") from None
-    return Weights(**values)
+    try:
+        return Weights(**cost.parse_weights(text))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--weights") from None
 
 
 def routing_options(f):  # type: ignore[no-untyped-def]
     """Options shared by every command that builds a router."""
     opts = [
-        click.option("--policy", type=click.Choice(sorted(POLICIES)), default="priced",
+        click.option("--policy", type=click.Choice(sorted(LIVE_POLICIES)), default="priced",
                      show_default=True),
         click.option("--weights", default=None, help="e.g. prefill=1,load=1,kv=1"),
         click.option("--block-size", type=int, default=16, show_default=True),

@@ -68,7 +68,8 @@ def replay_cmd(log_path: str, policy: str | None, weights: str | None, cost: str
                show: int, as_json: bool, simulate: bool) -> None:
     """Re-decide every recorded request under another policy, weights or cost model, from
     the state recorded at the time; report what changes."""
-    from cachepilot.records.replay import parse_cost, parse_weights, replay
+    from cachepilot.core.cost import parse_cost, parse_weights
+    from cachepilot.records.replay import replay
 
     try:
         w = parse_weights(weights)

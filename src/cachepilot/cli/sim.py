@@ -10,7 +10,7 @@ import click
 
 from cachepilot.cli import LazyGroup
 from cachepilot.core import Weights
-from cachepilot.core.policies import POLICIES
+from cachepilot.sim.peers import SIM_POLICIES
 
 
 @click.command("simulate")
@@ -37,8 +37,8 @@ def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int
     from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate, ideal_ttfts
     from cachepilot.sim.measures import summarize
 
-    if policy not in POLICIES:
-        raise click.BadParameter(f"unknown policy; known: {', '.join(sorted(POLICIES))}",
+    if policy not in SIM_POLICIES:
+        raise click.BadParameter(f"unknown policy; known: {', '.join(sorted(SIM_POLICIES))}",
                                  param_hint="--policy")
     if kind == "trace" and not trace_path:
         raise click.BadParameter("--workload trace needs --trace FILE", param_hint="--trace")

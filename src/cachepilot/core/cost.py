@@ -9,7 +9,7 @@ and a request already queued delays a newcomer by about one mean prefill-plus-st
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from cachepilot.core.workers import WorkerMetrics, WorkerState
 
@@ -50,6 +50,36 @@ class Weights:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def parse_overrides(text: str | None, cls: type, what: str) -> dict[str, float]:
+    """``"prefill=1,load=2"`` → {"prefill": 1.0, "load": 2.0} for the fields of ``cls``
+    (:class:`Weights` or :class:`CostModel`); an unknown name or a bad number is a ValueError
+    that says what was expected."""
+    allowed = {f.name for f in fields(cls)}
+    out: dict[str, float] = {}
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in allowed:
+            raise ValueError(f"bad {what} {part!r}: expected NAME=NUMBER with NAME one of "
+                             f"{', '.join(sorted(allowed))}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"bad {what} {part!r}: {value!r} is not a number") from None
+    return out
+
+
+def parse_weights(text: str | None) -> dict[str, float]:
+    return parse_overrides(text, Weights, "weight")
+
+
+def parse_cost(text: str | None) -> dict[str, float]:
+    return parse_overrides(text, CostModel, "cost parameter")
 
 
 @dataclass(frozen=True, slots=True)

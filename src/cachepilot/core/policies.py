@@ -5,8 +5,9 @@ instead of all of them landing on the first one (herding)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from cachepilot.core.cost import Weights
@@ -131,21 +132,21 @@ class AdaptivePriced(Policy):
             self.load_weight = min(self.w_max, max(self.w_min, w)) if math.isfinite(w) else 1.0
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {
+# The policies a live pool can run: the gateway drives every hook they have. The simulator's
+# peer models (cachepilot.sim.peers) are a separate registry and never valid for a live pool.
+LIVE_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({
     p.name: p for p in (RoundRobin, LeastLoaded, OverlapOnly, Priced, AdaptivePriced)
-}
+})
 
 
-def register(factory: Callable[[], Policy], name: str | None = None) -> None:
-    """Add a policy (the simulator's peer models register here)."""
-    POLICIES[name or factory().name] = factory
-
-
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, registry: Mapping[str, Callable[[], Policy]] = LIVE_POLICIES) -> Policy:
+    """A fresh policy from ``registry`` (by default the live ones); ValueError names the
+    choices."""
     try:
-        return POLICIES[name]()
+        return registry[name]()
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+        raise ValueError(f"unknown policy {name!r}; choose one of: "
+                         f"{', '.join(sorted(registry))}") from None
 
 
 def pick(values: Sequence[float], tolerance: float, tie_key: int) -> tuple[int, float]:

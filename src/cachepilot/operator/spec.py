@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
-from cachepilot.core.policies import POLICIES
+from cachepilot.core.policies import LIVE_POLICIES
 from cachepilot.gateway.engine_metrics import ENGINES
 from cachepilot.operator import crd
 
@@ -170,9 +170,9 @@ def parse_pool(name: str, body: Mapping[str, Any]) -> PoolConfig:
 
     routing = _section(spec, "routing")
     policy = routing.get("policy", PoolSpec().policy)
-    if policy not in POLICIES:
+    if policy not in LIVE_POLICIES:
         raise InvalidSpec("UnknownPolicy", f"spec.routing.policy {policy!r} is not one of "
-                          f"{', '.join(sorted(POLICIES))}")
+                          f"{', '.join(sorted(LIVE_POLICIES))}")
     w = _section(routing, "weights")
     d = Weights()
     weights = Weights(prefill=_number(w, "prefill", d.prefill, "spec.routing.weights"),

@@ -40,35 +40,6 @@ _COST_FIELDS = {f.name for f in fields(CostModel)}
 _WEIGHT_FIELDS = {f.name for f in fields(Weights)}
 
 
-def parse_kv(text: str | None, allowed: set[str], what: str) -> dict[str, float]:
-    """``"prefill=1,load=2"`` → {"prefill": 1.0, "load": 2.0}; unknown names are errors."""
-    out: dict[str, float] = {}
-    if not text:
-        return out
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        name, sep, value = part.partition("=")
-        name = name.strip()
-        if not sep or name not in allowed:
-            raise ValueError(f"bad {what} {part!r}: expected NAME=NUMBER with NAME one of "
-                             f"{', '.join(sorted(allowed))}")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            raise ValueError(f"bad {what} {part!r}: {value!r} is not a number") from None
-    return out
-
-
-def parse_weights(text: str | None) -> dict[str, float]:
-    return parse_kv(text, _WEIGHT_FIELDS, "weight")
-
-
-def parse_cost(text: str | None) -> dict[str, float]:
-    return parse_kv(text, _COST_FIELDS, "cost parameter")
-
-
 def recorded_cost(record: Mapping[str, Any]) -> CostModel:
     """The pool's cost model at the time, or the defaults if the recorder had no pool."""
     return CostModel(**{k: v for k, v in (record.get("cost") or {}).items() if k in _COST_FIELDS})

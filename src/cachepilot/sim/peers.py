@@ -1,5 +1,5 @@
 """Peer routing policies, modelled on what each project ships, and CachePilot's adaptive load
-weight. All register in :data:`cachepilot.core.policies.POLICIES` on import.
+weight. :data:`SIM_POLICIES` is what the simulator can run: the live policies and these.
 
 The core's :class:`Policy` sees only the candidates (per-worker matched blocks, scraped load,
 router in-flight counts) and a small context. Some peers keep state of their own (SGLang's
@@ -17,12 +17,13 @@ The live gateway calls none of these hooks, so these peers run in the simulator 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from xxhash import xxh3_64_intdigest
 
 from cachepilot.core.decision import Candidate, Decision
-from cachepilot.core.policies import Context, Policy, register
+from cachepilot.core.policies import LIVE_POLICIES, Context, Policy
 
 
 class SGLangCacheAware(Policy):
@@ -240,5 +241,7 @@ class GIEDefault(Policy):
 
 
 PEERS = (SGLangCacheAware, KubeAICHWBL, PowerOfTwo, DynamoKV, GIEDefault)
-for _cls in PEERS:
-    register(_cls)
+PEER_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({p.name: p for p in PEERS})
+# What the simulator can run: every live policy and the peer models.
+SIM_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType(
+    {**LIVE_POLICIES, **PEER_POLICIES})

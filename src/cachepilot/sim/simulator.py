@@ -36,8 +36,8 @@ from cachepilot.core import (
     WorkerMetrics,
 )
 from cachepilot.core.policies import Policy, make_policy
-from cachepilot.sim import peers as _peer_policies  # noqa: F401  (registers peers)
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
+from cachepilot.sim.peers import SIM_POLICIES
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
 
 ARRIVAL, STEP_END, SCRAPE = 0, 1, 2
@@ -111,7 +111,7 @@ class Simulator:
         spec = PoolSpec(name="sim", models=(MODEL,), policy=config.policy,
                         weights=config.weights, cost=config.cost, block=BLOCK,
                         capacity_blocks=config.engine.num_blocks)
-        self.policy = policy or make_policy(config.policy)
+        self.policy = policy or make_policy(config.policy, SIM_POLICIES)
         self.pool = Pool(spec, policy=self.policy)
         self.router = Router([self.pool], id_prefix="sim")
         self.workers: dict[str, _Worker] = {}
