@@ -1,5 +1,7 @@
-"""The ``cachepilot`` command. Each subcommand lives beside the code it drives and is imported
-only when used, so ``cachepilot sim-worker`` does not pay for gRPC or kopf imports."""
+"""The ``cachepilot`` command. Every click command lives in this package (one module per
+area); the modules below it (tooling, sim, gateway, …) are plain functions. A subcommand's
+module is imported only when used, so ``cachepilot sim-worker`` does not pay for gRPC or
+kopf imports."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import click
 
 # name → "module:attribute" of a click command. Add a line here for a new subcommand.
 COMMANDS: dict[str, str] = {
-    "sim-worker": "cachepilot.tooling.sim_worker:sim_worker_cmd",
+    "sim-worker": "cachepilot.cli.worker:sim_worker_cmd",
     "gateway": "cachepilot.cli.gateway:gateway_cmd",
     "envoy-config": "cachepilot.cli.gateway:envoy_config_cmd",
-    "up": "cachepilot.tooling.stack:up_cmd",
-    "demo": "cachepilot.tooling.demo:demo_cmd",
+    "up": "cachepilot.cli.stack:up_cmd",
+    "demo": "cachepilot.cli.demo:demo_cmd",
     "simulate": "cachepilot.cli.sim:simulate_cmd",
-    "experiment": "cachepilot.cli.sim:experiment_group",
+    "experiment": "cachepilot.cli.experiments:experiment_group",
     "explain": "cachepilot.cli.records:explain_cmd",
     "replay": "cachepilot.cli.records:replay_cmd",
     "decisions": "cachepilot.cli.records:decisions_group",

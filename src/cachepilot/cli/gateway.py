@@ -8,27 +8,47 @@ import sys
 
 import click
 
-from cachepilot.core import cost
-from cachepilot.core.cost import Weights
+from cachepilot.cli.options import cost_option, policy_option, weights_option
+from cachepilot.core import cost as costs
+from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.fingerprint import BlockConfig, load_tokenizer
-from cachepilot.core.policies import LIVE_POLICIES
 from cachepilot.core.router import Router, static_router
+from cachepilot.tooling.stack import PortInUseError, check_port_free
 
 
 def parse_weights(text: str | None) -> Weights:
     """``prefill=1,load=2,kv=0.5`` → Weights; unknown names are an error, not ignored."""
     try:
-        return Weights(**cost.parse_weights(text))
+        return Weights(**costs.parse_weights(text))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--weights") from None
+
+
+def parse_cost(text: str | None) -> CostModel:
+    """``prefill_ms_per_token=0.2,…`` → CostModel (integer fields stay integers)."""
+    try:
+        overrides = costs.parse_cost(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--cost") from None
+    default = CostModel()
+    return default.with_(**{k: type(getattr(default, k))(v) for k, v in overrides.items()})
+
+
+def host_port(text: str, option: str) -> tuple[str, int]:
+    """``host:port`` → (host, port), or a usage error naming ``option``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise click.BadParameter(f"expected host:port, got {text!r}", param_hint=option)
+    return host.strip("[]"), int(port)
 
 
 def routing_options(f):  # type: ignore[no-untyped-def]
     """Options shared by every command that builds a router."""
     opts = [
-        click.option("--policy", type=click.Choice(sorted(LIVE_POLICIES)), default="priced",
-                     show_default=True),
-        click.option("--weights", default=None, help="e.g. prefill=1,load=1,kv=1"),
+        policy_option(),
+        weights_option(),
+        cost_option("Cost-model parameters, e.g. prefill_ms_per_token=0.2,"
+                    "stale_after_s=15 (defaults describe a 7-8B model on one GPU)."),
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--chars-per-token", type=float, default=4.0, show_default=True),
         click.option("--capacity-blocks", type=int, default=4096, show_default=True,
@@ -58,6 +78,8 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @click.option("--engine", default="vllm", show_default=True,
               type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
 @click.option("--scrape-interval", type=float, default=0.25, show_default=True)
+@click.option("--scrape-timeout", type=float, default=1.0, show_default=True,
+              help="Seconds a worker's /metrics may take (llama.cpp answers between batches).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
 @click.option("--decision-log", default=None, help="Record every decision (LMDB directory).")
 @click.option("--capture-prompts", is_flag=True,
@@ -70,10 +92,10 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
                 models: tuple[str, ...], engine: str, scrape_interval: float,
-                max_body_bytes: int, decision_log: str | None, capture_prompts: bool,
-                calibrate: bool, observe_responses: bool, policy: str, weights: str | None,
-                block_size: int, chars_per_token: float, capacity_blocks: int,
-                tokenizer: str | None) -> None:
+                scrape_timeout: float, max_body_bytes: int, decision_log: str | None,
+                capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
+                weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
+                capacity_blocks: int, tokenizer: str | None) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
     from cachepilot.gateway.service import GatewayOptions
@@ -82,15 +104,30 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     if admin_host not in ("127.0.0.1", "localhost", "::1") and not admin_token:
         raise click.UsageError("the admin API leaves loopback only with --admin-token")
     addrs = [w.strip() for w in workers.split(",") if w.strip()]
+    for addr in addrs:
+        host_port(addr, "--workers")
     if kubernetes and addrs:
         raise click.UsageError("--workers and --kubernetes exclude each other")
-    tok = load_tokenizer(tokenizer) if tokenizer else None
+    listen_host, listen_port = host_port(listen, "--listen")
+    try:  # on loopback we can tell now; elsewhere the bind itself fails
+        if listen_host in ("127.0.0.1", "localhost"):
+            check_port_free(listen_port, "--listen")
+        if admin_host in ("127.0.0.1", "localhost"):
+            check_port_free(admin_port, "--admin-port")
+    except PortInUseError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        tok = load_tokenizer(tokenizer) if tokenizer else None
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise click.BadParameter(f"cannot load {tokenizer}: {exc}",
+                                 param_hint="--tokenizer") from None
     router = Router(tokenizer=tok) if kubernetes else static_router(
         addrs, policy=policy, weights=parse_weights(weights), models=models,
         block=BlockConfig(block_size, chars_per_token), capacity_blocks=capacity_blocks,
-        engine=engine, tokenizer=tok)
+        engine=engine, tokenizer=tok, cost=parse_cost(cost))
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
+                           scrape_timeout_s=scrape_timeout,
                            scrape=not kubernetes,  # the operator scrapes at each pool's interval
                            decision_log=decision_log, calibrate=calibrate,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
@@ -129,9 +166,11 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                      fail_open: bool, fallback: str, observe_responses: bool,
                      max_body_bytes: int, fmt: str) -> None:
     """Print Envoy's bootstrap for CachePilot."""
-    from cachepilot.gateway.envoy_config import EnvoyOptions, _split, render
+    from cachepilot.gateway.envoy_config import EnvoyOptions, render
 
-    host, port = _split(ext_proc)
+    host, port = host_port(ext_proc, "--ext-proc")
+    for addr in (x for x in fallback.split(",") if x):
+        host_port(addr, "--fallback")
     try:
         opts = EnvoyOptions(listen_address=listen_address, listen_port=listen_port,
                             admin_port=admin_port, ext_proc_host=host, ext_proc_port=port,

@@ -9,7 +9,9 @@ import click
 import orjson
 from rich.console import Console
 
+from cachepilot.cli.options import cost_option, policy_option, weights_option
 from cachepilot.records.store import LogNotFoundError, Store, open_log
+from cachepilot.sim.peers import SIM_POLICIES
 
 LOG_ENV = "CACHEPILOT_DECISION_LOG"
 
@@ -36,8 +38,8 @@ def _json(obj: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the raw record instead.")
 def explain_cmd(decision_id: str, log_path: str, as_json: bool) -> None:
     """Why one request went where it did: every candidate's terms, the winner and its margin,
-    predicted vs measured TTFT. DECISION_ID is a decision id (x-cachepilot-decision header,
-    `cachepilot decisions list`) or `last`."""
+    predicted vs measured TTFT. DECISION_ID is a decision id (the x-cachepilot-decision-id
+    response header, `cachepilot decisions list`) or `last`."""
     from cachepilot.records.explain import find, render
 
     log = _open(log_path)
@@ -53,13 +55,12 @@ def explain_cmd(decision_id: str, log_path: str, as_json: bool) -> None:
 
 @click.command("replay")
 @click.argument("log_path", metavar="LOG")
-@click.option("--policy", default=None,
-              help="Policy to re-decide with (default: each record's own).")
-@click.option("--weights", default=None, metavar="prefill=1,load=2,kv=1",
-              help="Override the recorded weights.")
-@click.option("--cost", default=None, metavar="NAME=VALUE,…",
-              help="Override cost-model parameters (e.g. prefill_ms_per_token=0.2); the "
-                   "priced terms are recomputed from the recorded inputs.")
+@policy_option(SIM_POLICIES, default=None,
+               help="Policy to re-decide with (default: each record's own; the peer models "
+                    "only with --simulate).")
+@weights_option(help="Override the recorded weights.")
+@cost_option(help="Override cost-model parameters (e.g. prefill_ms_per_token=0.2); the "
+                  "priced terms are recomputed from the recorded inputs.")
 @click.option("--show", default=5, show_default=True, help="Changed decisions to list.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--simulate", is_flag=True,
@@ -143,7 +144,8 @@ def stats_cmd(log_path: str, plot_path: str | None, as_json: bool) -> None:
 
 @decisions_group.command("list")
 @click.argument("log_path", metavar="LOG")
-@click.option("-n", "count", default=20, show_default=True, help="How many (the most recent).")
+@click.option("-n", "count", default=20, show_default=True, type=click.IntRange(0),
+              help="How many (the most recent).")
 def list_cmd(log_path: str, count: int) -> None:
     """The most recent decisions: id, chosen worker, predicted and measured TTFT."""
     log = _open(log_path)

@@ -47,11 +47,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
 import orjson
 
 from cachepilot.core.cost import CostModel
@@ -59,7 +58,6 @@ from cachepilot.tooling.procs import (
     LoopbackAddresses,
     Processes,
     http_get,
-    serve_until_interrupted,
 )
 from cachepilot.tooling.stack import LocalStack, StackConfig, free_port
 
@@ -192,6 +190,12 @@ class Calibration:
                          stale_after_s=15.0)
 
 
+def cost_args(cost: CostModel) -> str:
+    """``--cost`` for ``cachepilot gateway``: the parameters that differ from the defaults."""
+    default = CostModel().to_dict()
+    return ",".join(f"{k}={v!r}" for k, v in cost.to_dict().items() if v != default[k])
+
+
 def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
     req = urllib.request.Request(url, orjson.dumps(body), {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -215,10 +219,9 @@ class LlamaStack(LoopbackAddresses):
     """Envoy + the gateway + N llama-server workers on loopback, as processes.
 
     Envoy comes from :class:`LocalStack` (no simulated workers, no gateway of its own); the
-    gateway runs ``python -m cachepilot.tooling.llamacpp gateway`` so that it gets the
-    calibrated CPU cost model, llama.cpp's scrape timing and an in-process decision log whose
-    records the admin API serves at ``/decisions/{id}`` (the experiment reads predictions
-    there)."""
+    gateway is ``cachepilot gateway --engine llamacpp`` with the calibrated CPU cost model
+    (``--cost``), llama.cpp's scrape timing and a decision log whose records the admin API
+    serves at ``/decisions/{id}`` (the experiment reads predictions there)."""
 
     workers: int = 2
     spec: LlamaWorkerSpec | None = None  # None: threads from the CPU budget, other defaults
@@ -284,13 +287,14 @@ class LlamaStack(LoopbackAddresses):
             self.spec, self.block_size, self.prompt_tokens)
         cost = cal.cost_model(self.max_tokens)
         self.processes.spawn("gateway", [
-            sys.executable, "-m", "cachepilot.tooling.llamacpp", "gateway",
+            sys.executable, "-m", "cachepilot", "gateway", "--engine", "llamacpp",
             "--listen", f"127.0.0.1:{self.gateway_port}", "--admin-port", str(self.admin_port),
             "--workers", ",".join(self.worker_addresses), "--policy", self.policy,
             "--block-size", str(self.block_size),
             "--chars-per-token", f"{cal.chars_per_token:.3f}",
-            "--capacity-blocks", str(capacity), "--cost", json.dumps(cost.to_dict()),
-            "--decision-log", str(Path(self.log_dir or ".") / "decisions")])
+            "--capacity-blocks", str(capacity), "--cost", cost_args(cost),
+            "--scrape-timeout", "5", "--decision-log",
+            str(Path(self.log_dir or ".") / "decisions")])
         self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
                                   gateway_admin_url=self.admin_url)
 
@@ -317,48 +321,6 @@ class LlamaStack(LoopbackAddresses):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-# -- the gateway process --------------------------------------------------------------------
-@click.group()
-def _main() -> None:
-    """Internal entry points (python -m cachepilot.tooling.llamacpp)."""
-
-
-@_main.command("gateway")
-@click.option("--listen", required=True)
-@click.option("--admin-port", type=int, required=True)
-@click.option("--workers", required=True)
-@click.option("--policy", default="priced")
-@click.option("--block-size", type=int, default=16)
-@click.option("--chars-per-token", type=float, default=4.0)
-@click.option("--capacity-blocks", type=int, required=True)
-@click.option("--cost", "cost_json", default="{}", help="CostModel fields as JSON.")
-@click.option("--decision-log", default=None)
-@click.option("--scrape-interval", type=float, default=0.25)
-@click.option("--scrape-timeout", type=float, default=5.0)
-@click.option("--calibrate/--no-calibrate", default=True,
-              help="Online calibration of prefill and queue costs from streamed TTFTs.")
-def gateway_process(listen: str, admin_port: int, workers: str, policy: str, block_size: int,
-                    chars_per_token: float, capacity_blocks: int, cost_json: str,
-                    decision_log: str | None, scrape_interval: float, scrape_timeout: float,
-                    calibrate: bool) -> None:
-    """The gateway with a llama.cpp cost model and an optional decision log."""
-    from cachepilot.core.cost import Weights
-    from cachepilot.core.fingerprint import BlockConfig
-    from cachepilot.core.router import static_router
-    from cachepilot.gateway.server import Gateway, GatewayConfig, serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    router = static_router([w for w in workers.split(",") if w], policy=policy,
-                           weights=Weights(), models=(),
-                           block=BlockConfig(block_size, chars_per_token),
-                           capacity_blocks=capacity_blocks, engine="llamacpp",
-                           cost=CostModel(**json.loads(cost_json)))
-    config = GatewayConfig(grpc_address=listen, admin_port=admin_port,
-                           scrape_interval_s=scrape_interval, scrape_timeout_s=scrape_timeout,
-                           decision_log=decision_log, calibrate=calibrate)
-    asyncio.run(serve(Gateway(router, config)))
 
 
 # -- the workload ---------------------------------------------------------------------------
@@ -613,89 +575,3 @@ def run_experiment(workload: RealWorkload, out_dir: Path, workers: int = 2,
     result["plot"] = str(out_dir / "real_model.png")
     (out_dir / "results.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return result
-
-
-@click.command("real-model")
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
-@click.option("--out", "out_dir", default="results/real-model", show_default=True,
-              type=click.Path(file_okay=False), help="results.json, samples.json, the plot, logs.")
-@click.option("--requests", type=int, default=RealWorkload.requests, show_default=True)
-@click.option("--rate", type=float, default=RealWorkload.rate, show_default=True)
-@click.option("--workers", type=int, default=2, show_default=True)
-@click.option("--seed", type=int, default=RealWorkload.seed, show_default=True)
-@click.option("--groups", type=int, default=RealWorkload.groups, show_default=True,
-              help="Shared documents.")
-@click.option("--cache-ram", "cache_ram_mib", type=int,
-              default=LlamaWorkerSpec.cache_ram_mib, show_default=True,
-              help="Each worker's prompt cache in MiB (0: only the slot).")
-@click.option("--slots", type=int, default=LlamaWorkerSpec.parallel, show_default=True,
-              help="llama-server -np per worker.")
-@click.option("--assume-full-slots", is_flag=True,
-              help="Size the directory as if every prompt filled its slot's context "
-              "(the upper bound), instead of one typical prompt per slot.")
-def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, workers: int,
-                   seed: int, groups: int, cache_ram_mib: int, slots: int,
-                   assume_full_slots: bool) -> None:
-    """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp."""
-    why = installed()
-    if why:
-        raise click.ClickException(why)
-    workload = replace(RealWorkload(), requests=requests, rate=rate, seed=seed, groups=groups)
-    spec = LlamaWorkerSpec(threads=threads_per_worker(workers), parallel=slots,
-                           cache_ram_mib=cache_ram_mib)
-    echo = None if as_json else (lambda m: click.echo(m, err=True))
-    result = run_experiment(workload, Path(out_dir), workers=workers, echo=echo,
-                            full_slots=assume_full_slots, spec=spec)
-    if as_json:
-        click.echo(orjson.dumps(result).decode())
-        return
-    _table(result)
-
-
-def _table(result: dict[str, Any]) -> None:
-    names = [n for n, _ in PHASES]
-    click.echo(f"{'':36}" + "".join(f"{n:>26}" for n in names))
-    click.echo(f"{'TTFT mean, all (ms)':36}" + "".join(
-        f"{result[n]['ttft_all']['mean_ms']!s:>26}" for n in names))
-    rows = [("TTFT p50 / p90, all (ms)", "ttft_all"),
-            ("TTFT p50 / p90, predicted hits", "ttft_predicted_hit"),
-            ("TTFT p50 / p90, predicted misses", "ttft_predicted_miss")]
-    for label, key in rows:
-        cells = [f"{result[n][key]['p50_ms']} / {result[n][key]['p90_ms']} "
-                 f"(n={result[n][key]['n']})" for n in names]
-        click.echo(f"{label:36}" + "".join(f"{c:>26}" for c in cells))
-    for label, key in (("hit precision", "precision"), ("hit recall", "recall"),
-                       ("cached share of prompt tokens", "cached_token_share")):
-        click.echo(f"{label:36}" + "".join(f"{result[n][key]!s:>26}" for n in names))
-    click.echo(f"plot: {result['plot']}")
-
-
-# -- cachepilot up --engine llamacpp ---------------------------------------------------------
-def run_up(workers: int = 2, port: int = 8080, policy: str = "priced",
-           prompt_tokens: int | None = None, echo: Any = click.echo) -> None:
-    """Run Envoy + gateway + llama-server workers (Gemma 3 270M) until interrupted.
-    ``prompt_tokens``: typical prompt length, for the directory's capacity (see
-    :func:`directory_capacity_blocks`)."""
-    why = installed()
-    if why:
-        raise click.ClickException(why)
-    stack = LlamaStack(workers=workers, policy=policy, port=port,
-                       prompt_tokens=prompt_tokens).start()
-    echo(f"CachePilot is up: {stack.url}/v1  (model {MODEL_NAME} on llama.cpp, "
-         f"{workers} workers: {', '.join(stack.worker_addresses)})")
-    echo(f"  gateway admin: {stack.admin_url}/workers  decisions: "
-         f"{stack.admin_url}/decisions/<x-cachepilot-decision-id>")
-    echo(f"  logs: {stack.log_dir}")
-    echo(f"  try: curl {stack.url}/v1/chat/completions -H 'content-type: application/json' "
-         f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
-         f"\"content\":\"Hello\"}}]}}'")
-    try:
-        echo(serve_until_interrupted(stack.processes))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stack.stop()
-
-
-if __name__ == "__main__":
-    _main()

