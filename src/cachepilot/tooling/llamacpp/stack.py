@@ -1,0 +1,134 @@
+"""Envoy + the gateway + N llama-server workers on loopback, as processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost_args
+from cachepilot.tooling.llamacpp.worker import (
+    CPU_BUDGET,
+    LlamaWorkerSpec,
+    directory_capacity_blocks,
+    model_path,
+    threads_per_worker,
+)
+from cachepilot.tooling.procs import LoopbackAddresses, Processes, http_get
+from cachepilot.tooling.stack import LocalStack, StackConfig, free_port
+
+log = logging.getLogger("cachepilot.llamacpp")
+
+
+@dataclass
+class LlamaStack(LoopbackAddresses):
+    """Envoy + the gateway + N llama-server workers on loopback, as processes.
+
+    Envoy comes from :class:`LocalStack` (no simulated workers, no gateway of its own); the
+    gateway is ``cachepilot gateway --engine llamacpp`` with the calibrated CPU cost model
+    (``--cost``), llama.cpp's scrape timing and a decision log whose records the admin API
+    serves at ``/decisions/{id}`` (the experiment reads predictions there)."""
+
+    workers: int = 2
+    spec: LlamaWorkerSpec | None = None  # None: threads from the CPU budget, other defaults
+    policy: str = "priced"
+    port: int = 0  # Envoy's listener; 0: a free port
+    block_size: int = 16
+    max_tokens: int = 8  # typical completion length, for the cost model's queue terms
+    capacity_blocks: int | None = None  # None: directory_capacity_blocks(spec, prompt length)
+    prompt_tokens: int | None = None  # typical prompt length; None: prompts fill their slots
+    typical_prompt: str | None = None  # or a typical (flattened) prompt, measured in tokens
+    # the way the gateway estimates them (UTF-8 bytes / calibrated chars per token)
+    log_dir: str | None = None
+    model: Path | None = None
+    processes: Processes = field(default_factory=lambda: Processes(Path()))
+    worker_ports: list[int] = field(default_factory=list)
+    envoy: LocalStack | None = None
+    calibration: Calibration | None = None
+    admin_port: int = 0
+    gateway_port: int = 0
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url
+
+    def start(self, timeout_s: float = 120.0) -> LlamaStack:
+        self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="cachepilot-llama-")
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        self.processes.log_dir = Path(self.log_dir)
+        if self.spec is None:
+            self.spec = LlamaWorkerSpec(threads=threads_per_worker(self.workers))
+        if self.workers * self.spec.threads > CPU_BUDGET:
+            log.warning("%d workers x %d threads oversubscribe %d cores", self.workers,
+                        self.spec.threads, CPU_BUDGET)
+        model = self.model = self.model or model_path()
+        try:
+            self.worker_ports = [free_port() for _ in range(self.workers)]
+            for i, port in enumerate(self.worker_ports):
+                self.processes.spawn(f"llama-{i}", self.spec.args(model, port))
+            self.processes.wait_ready([f"http://{a}/health" for a in self.worker_addresses],
+                                      timeout_s, poll_s=0.2)
+            # Every worker gets the same cold warm-up; worker 0's numbers calibrate the gateway.
+            cals = [calibrate(a) for a in self.worker_addresses]
+            self.calibration = cals[0]
+            self._start_gateway(timeout_s)
+            # Envoy joins this stack's processes: one stop, one watch.
+            self.envoy = LocalStack(StackConfig(workers=0, start_gateway=False, port=self.port,
+                                                log_dir=self.log_dir), processes=self.processes,
+                                    gateway_port=self.gateway_port, admin_port=self.admin_port)
+            self.envoy.start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_gateway(self, timeout_s: float) -> None:
+        assert self.spec is not None and self.calibration is not None
+        self.gateway_port, self.admin_port = free_port(), free_port()
+        cal = self.calibration
+        if self.prompt_tokens is None and self.typical_prompt is not None:
+            self.prompt_tokens = int(len(self.typical_prompt.encode()) / cal.chars_per_token)
+        capacity = self.capacity_blocks = self.capacity_blocks or directory_capacity_blocks(
+            self.spec, self.block_size, self.prompt_tokens)
+        cost = cal.cost_model(self.max_tokens)
+        self.processes.spawn("gateway", [
+            sys.executable, "-m", "cachepilot", "gateway", "--engine", "llamacpp",
+            "--listen", f"127.0.0.1:{self.gateway_port}", "--admin-port", str(self.admin_port),
+            "--workers", ",".join(self.worker_addresses), "--policy", self.policy,
+            "--block-size", str(self.block_size),
+            "--chars-per-token", f"{cal.chars_per_token:.3f}",
+            "--capacity-blocks", str(capacity), "--cost", cost_args(cost),
+            "--scrape-timeout", "5", "--decision-log",
+            str(Path(self.log_dir or ".") / "decisions")])
+        self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
+                                  gateway_admin_url=self.admin_url)
+
+    def decision(self, decision_id: str, timeout_s: float = 10.0,
+                 with_outcome: bool = False) -> dict[str, Any] | None:
+        """The gateway's record of one decision (its prediction and, once the response has
+        ended, the outcome it observed); None if it never appears."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
+            rec = json.loads(body)["record"] if code == 200 else None
+            if rec is not None and (not with_outcome or rec.get("outcome")):
+                return rec
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)  # the decision log commits in batches
+
+    def stop(self) -> None:
+        self.processes.stop()  # Envoy's too
+        self.envoy = None
+
+    def __enter__(self) -> LlamaStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
