@@ -8,7 +8,7 @@ from typing import Any
 def record_core_calls(sim: Any) -> list[tuple]:
     """Wrap the simulator's pool and router so every call into the core is logged, in
     order: ("metrics", addr, WorkerMetrics), ("route", request, now, Decision),
-    ("first", decision_id), ("release", decision_id)."""
+    ("first", decision_id, ttft_ms), ("release", decision_id, Outcome)."""
     calls: list[tuple] = []
     pool, router = sim.pool, sim.router
     orig_update, orig_route = pool.update_metrics, router.route
@@ -25,6 +25,14 @@ def record_core_calls(sim: Any) -> list[tuple]:
 
     pool.update_metrics = update
     router.route = route
-    router.first_token = lambda d: (calls.append(("first", d.id)), orig_first(d))
-    router.release = lambda d: (calls.append(("release", d.id)), orig_release(d))
+    def first(d, ttft_ms=None):
+        calls.append(("first", d.id, ttft_ms))
+        return orig_first(d, ttft_ms)
+
+    def release(d, outcome=None):
+        calls.append(("release", d.id, outcome))
+        return orig_release(d, outcome)
+
+    router.first_token = first
+    router.release = release
     return calls

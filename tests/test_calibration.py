@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router, WorkerMetrics
-from cachepilot.core.calibration import CalibratingPolicy, CalibrationConfig, Calibrator, WorkerFit
-from cachepilot.core.policies import make_policy
+from cachepilot.core.calibration import CalibrationConfig, Calibrator, WorkerFit
 
 
 def synthetic(fit: WorkerFit, cfg: CalibrationConfig, n: int, *, prefill: float, queue: float,
@@ -113,8 +112,7 @@ def run_sim(start: tuple[float, float]) -> tuple[Collecting, Any]:
     from cachepilot.sim.engine import Engine, EngineConfig
 
     cal = Collecting()
-    s = sim.Simulator(sim.SimConfig(workers=3),
-                      policy=CalibratingPolicy(make_policy("priced"), cal))
+    s = sim.Simulator(sim.SimConfig(workers=3), plugins=[cal])
     for addr, prefill in TRUE_PREFILL.items():
         # Three different GPUs; the router starts with the same, wrong, beliefs about each.
         s.workers[addr].engine = Engine(EngineConfig(prefill_ms_per_token=prefill,

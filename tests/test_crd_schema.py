@@ -130,6 +130,8 @@ def test_minimal_pool_gets_the_defaults() -> None:
 
 @pytest.mark.parametrize(("change", "schema_rejects", "reason"), [
     ({"routing": {"policy": "fastest"}}, False, "UnknownPolicy"),  # only the gateway knows
+    # A peer model exists only in the simulator: never valid for a live pool.
+    ({"routing": {"policy": "sglang_cache_aware"}}, False, "UnknownPolicy"),
     ({"scrape": {"engine": "tgi"}}, True, "UnknownEngine"),
     ({"port": 70000}, False, "InvalidPort"),  # int-or-string: the operator checks the range
     ({"port": True}, True, "InvalidPort"),

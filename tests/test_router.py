@@ -3,7 +3,6 @@ from collections import Counter
 import pytest
 
 from cachepilot.core import InferenceRequest, RequestError, WorkerMetrics
-from cachepilot.core.cost import CostModel
 
 from conftest import WORKERS, make_router
 
@@ -25,16 +24,21 @@ def test_same_prefix_returns_to_the_worker_that_holds_it() -> None:
     assert second.predicted_hit
 
 
-def test_terms_are_milliseconds_and_kept_for_every_candidate() -> None:
+def test_every_candidate_is_priced_and_the_winner_has_the_best_value() -> None:
     r = make_router()
-    d = r.route(req(), 100.0)
+    first = r.route(req("a"), 100.0)
+    d = r.route(req("b"), 100.0)
     assert {c.worker for c in d.candidates} == set(WORKERS)
-    cost = CostModel()
-    for c in d.candidates:
-        assert c.prefill_ms == pytest.approx((d.tokens - c.matched_tokens)
-                                             * cost.prefill_ms_per_token)
-        assert c.predicted_ttft_ms == pytest.approx(cost.base_ttft_ms + c.prefill_ms
-                                                    + c.queue_ms + c.kv_ms)
+    assert d.winner.value == max(c.value for c in d.candidates)
+    holder = next(c for c in d.candidates if c.worker == first.chosen)
+    cold = [c for c in d.candidates if c.worker != first.chosen]
+    # What the cache holds is prefill the holder skips: its prefill term shrinks by as much
+    # as its saved term grows, and a cold worker saves nothing.
+    assert all(c.saved_ms == 0 and c.matched_tokens == 0 for c in cold)
+    assert holder.saved_ms > 0
+    assert holder.prefill_ms + holder.saved_ms == pytest.approx(cold[0].prefill_ms)
+    # The holder's own first request is still in prefill there: it queues ahead.
+    assert holder.queue_ms > cold[0].queue_ms
 
 
 def test_new_prefixes_spread_instead_of_herding() -> None:

@@ -159,15 +159,16 @@ def test_simulator_and_direct_router_choose_the_same_worker():
             _, req, now, d = c
             did = d.id
             d2 = router2.route(InferenceRequest(model=MODEL, max_tokens=req.max_tokens,
-                                                token_ids=None, fingerprint=req.fingerprint),
+                                                token_ids=None, fingerprint=req.fingerprint,
+                                                user_start=req.user_start),
                                now, did)
             assert d2.chosen == d.chosen
             assert [x.value for x in d2.candidates] == [x.value for x in d.candidates]
             mine[did] = d2
         elif c[0] == "first":
-            router2.first_token(mine[c[1]])
+            router2.first_token(mine[c[1]], c[2])
         else:
-            router2.release(mine[c[1]])
+            router2.release(mine[c[1]], c[2])
 
 
 def test_router_prices_a_fingerprint_built_from_token_ids_like_the_simulator():

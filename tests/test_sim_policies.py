@@ -4,12 +4,12 @@ and the study plumbing."""
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+import random
 
 import pytest
 from click.testing import CliRunner
 
-from cachepilot.core import Weights
+from cachepilot.core import Fingerprint, InferenceRequest, Weights
 from cachepilot.core.decision import Candidate, Decision
 from cachepilot.core.policies import LIVE_POLICIES, AdaptivePriced, Context
 from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
@@ -25,8 +25,10 @@ from cachepilot.sim.peers import (
 )
 
 
-def ctx(tokens=320, seq=0):
-    return Context(seq=seq, tokens=tokens, weights=Weights())
+def ctx(tokens=320, seq=0, hashes=None, user_start=0):
+    fp = None if hashes is None else Fingerprint(tuple(hashes), tokens, 16)
+    return Context(seq=seq, tokens=tokens, weights=Weights(), fingerprint=fp,
+                   request=InferenceRequest(model="m", user_start=user_start))
 
 
 def cand(worker, matched_blocks=0, waiting=0, inflight=0, kv=0.0, queue_ms=0.0):
@@ -72,41 +74,34 @@ def test_peer_policies_complete_every_request_and_use_the_cache(cls, shared):
         assert s["token_hit_rate"] > rr["token_hit_rate"]
 
 
-class _Req:
-    def __init__(self, hashes, user_start=0, tokens=None):
-        from cachepilot.core import Fingerprint
-
-        self.fp = Fingerprint(tuple(hashes), tokens or 16 * len(hashes), 16)
-        self.user_start = user_start
-
-
-class _Pool:
-    workers: ClassVar[dict] = {"a": None, "b": None, "c": None}
-
-
 def test_sglang_follows_the_tree_when_balanced_and_the_load_when_not():
     p = SGLangCacheAware()
     d = Decision("x", 0, "p", "m", "sglang", {}, 0, 64, 16, (1, 2, 3, 4), [], "b", 0, "")
-    p.after_route(d, _Req([1, 2, 3, 4]))
-    p.before_route(_Pool, _Req([1, 2, 3, 9]), 0)
+    p.on_routed(d, None)
+    near = ctx(64, hashes=[1, 2, 3, 9])
     cs = [cand("a", inflight=3), cand("b", inflight=10), cand("c", inflight=0)]
-    assert p.values(cs, ctx(64)) == [0.0, 1.0, 0.0]  # 3/4 match > 0.3 → b, despite load
+    assert p.values(cs, near) == [0.0, 1.0, 0.0]  # 3/4 match > 0.3 → b, despite load
     cs = [cand("a", inflight=3), cand("b", inflight=100), cand("c", inflight=0)]
-    assert p.values(cs, ctx(64)) == [0.0, 0.0, 1.0]  # 100-0 > 64 and 100 > 1.5·0 → least
-    p.before_route(_Pool, _Req([7, 8, 9, 10]), 0)  # no match: smallest tree (a or c)
-    v = p.values([cand("a"), cand("b"), cand("c")], ctx(64))
-    assert v[1] == 0.0 and v[0] == v[2] == 1.0
+    assert p.values(cs, near) == [0.0, 0.0, 1.0]  # 100-0 > 64 and 100 > 1.5·0 → least
+    v = p.values([cand("a"), cand("b"), cand("c")], ctx(64, hashes=[7, 8, 9, 10]))
+    assert v[1] == 0.0 and v[0] == v[2] == 1.0  # no match: smallest tree (a or c)
 
 
 def test_chwbl_is_sticky_and_bounded():
     p = KubeAICHWBL()
-    p.before_route(_Pool, _Req([11, 12, 13]), 0)
+    key = ctx(48, hashes=[11, 12, 13])
     even = [cand(w, inflight=2) for w in "abc"]
-    first = p.values(even, ctx()).index(1.0)
-    assert all(p.values(even, ctx()).index(1.0) == first for _ in range(3))
+    first = p.values(even, key).index(1.0)
+    assert all(p.values(even, key).index(1.0) == first for _ in range(3))
     loaded = [cand(w, inflight=(20 if i == first else 2)) for i, w in enumerate("abc")]
-    v = p.values(loaded, ctx())
+    v = p.values(loaded, key)
     assert v[first] == 0.0 and sum(v) == 1.0  # over 1.25 × mean: moves on along the ring
+    # The key is the prefix up to ~25 tokens past where user content starts.
+    rng = random.Random(7)
+    idle = [cand(w) for w in "abc"]
+    moved = [p.values(idle, ctx(48 * 16, hashes=[rng.getrandbits(64) for _ in range(48)])
+                      ).index(1.0) for _ in range(12)]
+    assert len(set(moved)) > 1  # different prefixes spread over the ring
 
 
 def test_power_of_two_picks_the_lighter_of_two():
@@ -137,7 +132,7 @@ def test_adaptive_weight_fits_the_queue_slope():
         c = cand("a", queue_ms=q)
         c.prefill_ms = 50.0
         d = Decision("x", 0, "p", "m", "adaptive", {}, 0, 64, 16, (), [c], "a", 0, "")
-        p.observe(d, 15.0 + 50.0 + 2.5 * q)  # queues cost 2.5× what the model says
+        p.on_first_token(d, 15.0 + 50.0 + 2.5 * q)  # queues cost 2.5× what the model says
     assert p.load_weight == pytest.approx(2.5, rel=1e-6)
 
 
@@ -157,7 +152,7 @@ def test_simulate_cli_json():
     data = json.loads(res.output)
     assert data["completed"] == data["requests"] > 50
     bad = CliRunner().invoke(simulate_cmd, ["--policy", "nope"])
-    assert bad.exit_code != 0 and "unknown policy" in bad.output
+    assert bad.exit_code != 0 and "nope" in bad.output and "priced" in bad.output
 
 
 def test_claims_are_computed_from_the_runs(monkeypatch, tmp_path):

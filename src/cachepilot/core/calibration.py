@@ -16,28 +16,24 @@ Estimates are **bounded** (``prefill_bounds``, ``queue_bounds``) and only writte
 enough informative observations have been seen (``warmup``); the queue term needs
 observations with a non-empty queue, so a worker that never queues keeps the pool default.
 
-Use (the gateway, on its event loop, like the router itself)::
-
-    cal = Calibrator()
-    d = router.route(req, now); cal.routed(d, pool)      # snapshot the features
-    ...first streamed byte...;  cal.observe(d.id, ttft_ms)  # fit, update the worker
-
-Only pass TTFTs that are real first tokens (streamed responses): a non-streamed response's
-first byte comes after the whole generation. In the simulator, wrap the policy:
-``Simulator(cfg, policy=CalibratingPolicy(make_policy("priced"), Calibrator()))``.
+It is a lifecycle plugin (:mod:`cachepilot.core.lifecycle`): register it with the router,
+``Router(pools, plugins=[Calibrator()])`` (the gateway does by default; the simulator with
+``Simulator(cfg, plugins=[Calibrator()])``). ``on_routed`` snapshots the chosen worker's
+features, ``on_first_token`` fits them to the measured TTFT, ``on_finish`` drops a request
+that never produced one. Only real first tokens carry a ``ttft_ms`` (streamed responses): a
+non-streamed response's first byte comes after the whole generation.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cachepilot.core.cost import CostModel
-from cachepilot.core.decision import Candidate, Decision
-from cachepilot.core.policies import Context, Policy
+from cachepilot.core.decision import Decision
+from cachepilot.core.lifecycle import Outcome, Plugin
 from cachepilot.core.workers import WorkerState
 
 
@@ -122,7 +118,7 @@ class WorkerFit:
         return r
 
 
-class Calibrator:
+class Calibrator(Plugin):
     """Fits each worker's prefill and queue parameters from measured TTFTs and writes them
     into the worker's :class:`WorkerState` overrides. Single-threaded, like the router."""
 
@@ -131,8 +127,20 @@ class Calibrator:
         self.fits: dict[str, WorkerFit] = {}
         self._pending: OrderedDict[str, Features] = OrderedDict()
 
+    # -- lifecycle ----------------------------------------------------------------------------
+    def on_routed(self, decision: Decision, pool: Any) -> None:
+        self.routed(decision, pool)
+
+    def on_first_token(self, decision: Decision, ttft_ms: float | None) -> None:
+        if ttft_ms is not None:
+            self.observe(decision.id, ttft_ms)
+
+    def on_finish(self, decision: Decision, outcome: Outcome) -> None:
+        self.forget(decision.id)
+
+    # -- fitting ------------------------------------------------------------------------------
     def routed(self, decision: Decision, pool: Any) -> None:
-        """Call right after ``Router.route``: snapshot the chosen worker's features."""
+        """Snapshot the chosen worker's features, right after routing."""
         w = pool.workers.get(decision.chosen)
         if w is None:
             return
@@ -177,46 +185,3 @@ class Calibrator:
                     "residual_scale_ms": f.scale_ms, "observations": f.n,
                     "queued_observations": f.n_queued, "outliers": f.outliers}
                 for a, f in sorted(self.fits.items())}
-
-
-class CalibratingPolicy(Policy):
-    """Wraps a policy so the simulator (or any driver that calls ``after_route`` and
-    ``observe``) calibrates its pool as it runs. Decides exactly as the wrapped policy."""
-
-    def __init__(self, inner: Policy, calibrator: Calibrator | None = None) -> None:
-        self.inner = inner
-        self.calibrator = calibrator or Calibrator()
-        self.name = inner.name
-        self.tie_tolerance = inner.tie_tolerance
-        self._pool: Any = None
-
-    def bind(self, pool: Any) -> None:
-        self._pool = pool
-        bind = getattr(self.inner, "bind", None)
-        if bind is not None:
-            bind(pool)
-
-    def before_route(self, pool: Any, request: Any, now: float) -> None:
-        hook = getattr(self.inner, "before_route", None)
-        if hook is not None:
-            hook(pool, request, now)
-
-    def after_route(self, decision: Decision, request: Any) -> None:
-        hook = getattr(self.inner, "after_route", None)
-        if hook is not None:
-            hook(decision, request)
-        if self._pool is not None:
-            self.calibrator.routed(decision, self._pool)
-
-    def on_finish(self, decision: Decision) -> None:
-        hook = getattr(self.inner, "on_finish", None)
-        if hook is not None:
-            hook(decision)
-
-    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
-        return self.inner.values(cands, ctx)
-
-    def observe(self, decision: object, ttft_ms: float | None) -> None:
-        self.inner.observe(decision, ttft_ms)
-        if ttft_ms is not None and isinstance(decision, Decision):
-            self.calibrator.observe(decision.id, ttft_ms)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cachepilot.core.request import RequestError
+from cachepilot.core.workers import WorkerMetrics
 
 
 class RoutingError(RequestError):
@@ -31,6 +32,13 @@ class Candidate:
     kv_ms: float = 0.0
     predicted_ttft_ms: float = 0.0
     value: float = 0.0  # what the policy maximised
+    # The worker's state as priced, so replay can rebuild it and call the same decide():
+    ready: bool = True
+    metrics: WorkerMetrics | None = None  # the scrape in force (its own clock: scraped_at)
+    pending_prefill_tokens: int = 0
+    batch_cap_seen: int = 0
+    prefill_ms_per_token_override: float | None = None  # calibrated (None: the pool's)
+    queue_ms_per_waiting_override: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,6 +64,7 @@ class Decision:
     # there until first_token() or release().
     uncached_tokens: int = 0
     prefill_pending: bool = False
+    finished: bool = False  # released: the lifecycle's end has been reported
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the adaptive weight in force
 
     @property

@@ -12,6 +12,9 @@ from typing import Any
 
 from cachepilot.core.cost import Weights
 from cachepilot.core.decision import Candidate, Decision
+from cachepilot.core.fingerprint import Fingerprint
+from cachepilot.core.lifecycle import Plugin
+from cachepilot.core.request import InferenceRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,20 +24,30 @@ class Context:
     seq: int  # the pool's decision counter (round robin's position)
     tokens: int
     weights: Weights
+    fingerprint: Fingerprint | None = None  # the request's block hashes
+    request: InferenceRequest | None = None  # None in a replay of a recorded decision
 
 
-class Policy:
+class Policy(Plugin):
+    """Turns the eligible candidates into values (the highest wins). A policy is also a
+    :class:`~cachepilot.core.lifecycle.Plugin` of its pool: policies that keep state of
+    their own (learned weights, a peer router's tree) update it in the lifecycle hooks."""
+
     name: str = ""
     tie_tolerance: float = 0.0  # values this close to the best count as a tie
 
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         raise NotImplementedError
 
-    def observe(self, decision: object, ttft_ms: float | None) -> None:
-        """Feedback hook for policies that learn from outcomes; stateless ones ignore it."""
-
     def bind(self, pool: Any) -> None:
-        """Called when the policy is attached to a pool (to read its cost model)."""
+        """Called once, when the policy is attached to a pool (to read its settings)."""
+
+    def state(self) -> dict[str, float]:
+        """Learned state this decision used, recorded with it (``Decision.extra``)."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Set the learned state a recorded decision used, so replay decides as it did."""
 
 
 class RoundRobin(Policy):
@@ -111,13 +124,21 @@ class AdaptivePriced(Policy):
     def bind(self, pool: Any) -> None:
         self.base_ms = pool.spec.cost.base_ttft_ms
 
+    def state(self) -> dict[str, float]:
+        return {"load_weight": self.load_weight}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        lw = state.get("load_weight")
+        if isinstance(lw, int | float):
+            self.load_weight = float(lw)
+
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         w = ctx.weights
         lw = self.load_weight
         return [w.prefill * c.saved_ms - lw * c.queue_ms - w.kv * c.kv_ms for c in cands]
 
-    def observe(self, decision: object, ttft_ms: float | None) -> None:
-        if ttft_ms is None or not isinstance(decision, Decision):
+    def on_first_token(self, decision: Decision, ttft_ms: float | None) -> None:
+        if ttft_ms is None:
             return
         c = decision.winner
         q = c.queue_ms

@@ -44,6 +44,9 @@ class InferenceRequest:
     max_tokens: int | None = None
     kind: str = "completion"
     fingerprint: Any = None  # cachepilot.core.fingerprint.Fingerprint, set by the simulator
+    # Token offset where the user's own content starts (after shared system text), when the
+    # driver knows it (the simulator); policies modelled on prefix-hash routers key on it.
+    user_start: int = 0
 
 
 def inference_path(path: str) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from xxhash import xxh3_64_intdigest
 
@@ -17,21 +17,28 @@ from cachepilot.core.cost import (
 )
 from cachepilot.core.decision import Candidate, Decision, RoutingError
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer, fingerprint
+from cachepilot.core.lifecycle import Outcome, Plugin
 from cachepilot.core.policies import Context, pick
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.request import InferenceRequest, RequestError
-from cachepilot.core.workers import WorkerState
 
 
 class Router:
-    """Routes requests to workers of the pool that serves their model."""
+    """Routes requests to workers of the pool that serves their model, and drives each
+    request's lifecycle (:mod:`cachepilot.core.lifecycle`): ``route`` → ``first_token`` →
+    ``release``, calling the pool's policy and then ``plugins`` at each step."""
 
     def __init__(self, pools: Iterable[Pool] = (), *, id_prefix: str | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, plugins: Sequence[Plugin] = ()) -> None:
         self.pools: dict[str, Pool] = {p.name: p for p in pools}
         self.tokenizer = tokenizer
+        self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self._id_prefix = id_prefix if id_prefix is not None else os.urandom(4).hex()
         self._counter = 0
+
+    def add_plugin(self, plugin: Plugin) -> None:
+        """Register a lifecycle plugin; it sees every request routed from now on."""
+        self.plugins = (*self.plugins, plugin)
 
     def add_pool(self, pool: Pool) -> None:
         self.pools[pool.name] = pool
@@ -66,7 +73,7 @@ class Router:
         """Pick a worker, record the placement in the directory, count it in flight."""
         pool = self.pool_for(req.model)
         fp = self.fingerprint(req, pool)
-        decision = self.decide(pool, req.model, fp, now, decision_id or self.next_id())
+        decision = self.decide(pool, req.model, fp, now, decision_id or self.next_id(), req)
         worker = pool.workers[decision.chosen]
         worker.inflight += 1
         worker.assigned += 1
@@ -74,11 +81,16 @@ class Router:
         decision.prefill_pending = True
         worker.pending_prefill_tokens += decision.uncached_tokens
         pool.directory.insert(decision.chosen, fp.hashes)
+        pool.policy.on_routed(decision, pool)
+        for plugin in self.plugins:
+            plugin.on_routed(decision, pool)
         return decision
 
     def decide(self, pool: Pool, model: str, fp: Fingerprint, now: float,
-               decision_id: str) -> Decision:
-        """Score every worker and pick one, changing nothing (replay calls this directly)."""
+               decision_id: str, req: InferenceRequest | None = None) -> Decision:
+        """Score every worker and pick one, changing nothing but the pool's decision counter.
+        The gateway and the simulator reach it through :meth:`route`; replay calls it on a
+        pool rebuilt from the record (:mod:`cachepilot.records.replay`)."""
         spec = pool.spec
         cost = spec.cost
         matches = pool.directory.match(fp.hashes, pool.workers)
@@ -97,6 +109,11 @@ class Router:
                 prefill_ms=(fp.tokens - matched_tokens) * per_token,
                 queue_ms=queue_ms(load, w, cost),
                 kv_ms=kv_pressure_ms(load, fp.blocks - blocks, w, cost),
+                ready=w.ready, metrics=w.metrics,
+                pending_prefill_tokens=w.pending_prefill_tokens,
+                batch_cap_seen=w.batch_cap_seen,
+                prefill_ms_per_token_override=w.prefill_ms_per_token,
+                queue_ms_per_waiting_override=w.queue_ms_per_waiting,
             )
             c.predicted_ttft_ms = cost.base_ttft_ms + c.prefill_ms + c.queue_ms + c.kv_ms
             if not w.ready:
@@ -106,27 +123,27 @@ class Router:
             elif load.waiting >= cost.admission_limit:
                 c.eligible, c.filtered = False, "full"
             cands.append(c)
-        return self._pick(pool, model, fp, now, decision_id, cands)
+        return self._pick(pool, model, fp, now, decision_id, cands, req)
 
     def _pick(self, pool: Pool, model: str, fp: Fingerprint, now: float, decision_id: str,
-              cands: list[Candidate]) -> Decision:
+              cands: list[Candidate], req: InferenceRequest | None) -> Decision:
         eligible = [c for c in cands if c.eligible]
         if not eligible:
             raise self._no_worker(pool, cands)
-        ctx = Context(seq=pool.seq, tokens=fp.tokens, weights=pool.spec.weights)
+        ctx = Context(seq=pool.seq, tokens=fp.tokens, weights=pool.spec.weights,
+                      fingerprint=fp, request=req)
         values = pool.policy.values(eligible, ctx)
         for c, v in zip(eligible, values, strict=True):
             c.value = v
         i, margin = pick(values, pool.policy.tie_tolerance, xxh3_64_intdigest(decision_id.encode()))
         chosen = eligible[i]
         pool.seq += 1
-        learned = getattr(pool.policy, "load_weight", None)  # the adaptive weight in force
         return Decision(
             id=decision_id, time=now, pool=pool.name, model=model, policy=pool.policy.name,
             weights=pool.spec.weights.to_dict(), seq=ctx.seq, tokens=fp.tokens,
             block_size=fp.block_size, hashes=fp.hashes, candidates=cands,
             chosen=chosen.worker, margin_ms=margin, reason=_reason(chosen, eligible, margin),
-            extra={} if learned is None else {"load_weight": learned},
+            extra=pool.policy.state(),
         )
 
     @staticmethod
@@ -140,25 +157,44 @@ class Router:
                             "limit or unobserved; retry later", code="overloaded",
                             retry_after_s=max(1.0, round(wait_ms / 1000.0)))
 
-    def first_token(self, decision: Decision) -> None:
-        """The worker answered: this request's prefill no longer queues ahead of others."""
-        if not decision.prefill_pending:
+    def first_token(self, decision: Decision, ttft_ms: float | None = None) -> None:
+        """The worker answered: this request's prefill no longer queues ahead of others.
+        ``ttft_ms`` is a measured time to first token (None: not known). Once per decision."""
+        if not self._prefill_done(decision):
             return
-        decision.prefill_pending = False
-        w = self._worker_of(decision)
-        if w is not None:
-            w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
+        pool = self.pools.get(decision.pool)
+        if pool is not None:
+            pool.policy.on_first_token(decision, ttft_ms)
+        for plugin in self.plugins:
+            plugin.on_first_token(decision, ttft_ms)
 
-    def release(self, decision: Decision) -> None:
-        """The request finished (or failed): it no longer occupies its worker."""
-        self.first_token(decision)
-        w = self._worker_of(decision)
+    def release(self, decision: Decision, outcome: Outcome | None = None) -> None:
+        """The request finished, failed or was abandoned: it no longer occupies its worker.
+        Idempotent: the lifecycle's end is reported to the plugins once."""
+        if decision.finished:
+            return
+        decision.finished = True
+        self._prefill_done(decision)
+        pool = self.pools.get(decision.pool)
+        w = None if pool is None else pool.workers.get(decision.chosen)
         if w is not None and w.inflight > 0:
             w.inflight -= 1
+        outcome = outcome or Outcome()
+        if pool is not None:
+            pool.policy.on_finish(decision, outcome)
+        for plugin in self.plugins:
+            plugin.on_finish(decision, outcome)
 
-    def _worker_of(self, decision: Decision) -> WorkerState | None:
+    def _prefill_done(self, decision: Decision) -> bool:
+        """Stop counting the decision's prefill as pending; False if it already was."""
+        if not decision.prefill_pending:
+            return False
+        decision.prefill_pending = False
         pool = self.pools.get(decision.pool)
-        return None if pool is None else pool.workers.get(decision.chosen)
+        w = None if pool is None else pool.workers.get(decision.chosen)
+        if w is not None:
+            w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
+        return True
 
 
 def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],

@@ -61,8 +61,10 @@ class Gateway:
                                       ) if sink is None else None
         self.sink: DecisionSink = sink or self.recorder  # type: ignore[assignment]
         self.calibrator = Calibrator() if self.config.calibrate else None
+        if self.calibrator is not None:
+            router.add_plugin(self.calibrator)
         self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
-                                   options=options, calibrator=self.calibrator)
+                                   options=options)
         self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
                                timeout_s=self.config.scrape_timeout_s)
         self.health = health.aio.HealthServicer()

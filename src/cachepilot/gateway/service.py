@@ -27,8 +27,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
-from cachepilot.core.calibration import Calibrator
 from cachepilot.core.decision import Decision
+from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.request import RequestError, inference_path, parse_openai_body
 from cachepilot.core.router import Router
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
@@ -108,12 +108,10 @@ class Processor:
 
     def __init__(self, router: Router, *, metrics: GatewayMetrics | None = None,
                  sink: DecisionSink | None = None, options: GatewayOptions | None = None,
-                 calibrator: Calibrator | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.router = router
         self.metrics = metrics or GatewayMetrics()
         self.sink: DecisionSink = sink or NullRecorder()
-        self.calibrator = calibrator
         self.options = options or GatewayOptions()
         self.clock = clock
         self._passthrough_seq = 0
@@ -186,8 +184,6 @@ class Processor:
         if decision.predicted_hit:
             m.predicted_hits.labels(decision.pool).inc()
         pool = self.router.pools.get(decision.pool)
-        if self.calibrator is not None and pool is not None:
-            self.calibrator.routed(decision, pool)
         self.sink.decision(decision, pool,
                            prompt=req.prompt if self.options.capture_prompts else None)
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
@@ -236,14 +232,8 @@ class Processor:
         if d is not None:
             if ex.first_token_s is None and msg.body:
                 ex.first_token_s = self.clock() - ex.started
-                self.router.first_token(d)
-                if ex.stream:  # a real first token: let the cost model and policy learn
-                    ttft_ms = ex.first_token_s * 1000.0
-                    if self.calibrator is not None:
-                        self.calibrator.observe(d.id, ttft_ms)
-                    pool = self.router.pools.get(d.pool)
-                    if pool is not None:
-                        pool.policy.observe(d, ttft_ms)
+                # Streamed: a real first token, the policy and plugins learn from it.
+                self.router.first_token(d, ex.first_token_s * 1000.0 if ex.stream else None)
             window = ex.tail + msg.body
             found = _CACHED_RE.findall(window) or _CACHE_N_RE.findall(window)
             if found:
@@ -259,12 +249,14 @@ class Processor:
             return
         ex.done = True
         d = ex.decision
-        self.router.release(d)
-        if self.calibrator is not None:
-            self.calibrator.forget(d.id)
+        ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
+        outcome = Outcome(status=ex.status, aborted=aborted,
+                          ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
+                          ttft_kind="first_token" if ex.stream else "first_byte",
+                          cached_tokens=ex.cached_tokens)
+        self.router.release(d, outcome)
         if not self.options.observe_responses:
             return
-        ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
         pool = d.pool
         if ex.stream and ttft_s is not None and not aborted:  # only real first tokens
             self.metrics.ttft_error.labels(pool).observe(
@@ -272,10 +264,8 @@ class Processor:
         if ex.cached_tokens is not None:
             self.metrics.hit_outcomes.labels(pool, str(d.predicted_hit).lower(),
                                              str(ex.cached_tokens > 0).lower()).inc()
-        self.sink.outcome(d.id, status=ex.status, aborted=aborted,
-                          ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
-                          ttft_kind="first_token" if ex.stream else "first_byte",
-                          first_byte_ms=None if ex.first_byte_s is None
+        self.sink.outcome(d.id, status=outcome.status, aborted=aborted, ttft_ms=outcome.ttft_ms,
+                          ttft_kind=outcome.ttft_kind, first_byte_ms=None if ex.first_byte_s is None
                           else ex.first_byte_s * 1000.0,
                           cached_tokens=ex.cached_tokens, completed_at=self.clock())
 

@@ -136,8 +136,8 @@ def outcome_lines(record: Mapping[str, Any]) -> list[str]:
     if ttft is None:
         lines.append(f"TTFT: predicted {_fmt_ms(pred)} ms; measured: no outcome recorded")
     else:
-        kind = out.get("first_byte", "?")
-        note = "" if kind in ("stream", "sim") else ", not streamed: includes generation"
+        kind = out.get("ttft_kind", "?")
+        note = "" if kind == "first_token" else ", not streamed: includes generation"
         lines.append(f"TTFT: predicted {_fmt_ms(pred)} ms, measured {ttft:.1f} ms "
                      f"({kind}{note}), error {ttft - (pred or 0.0):+.1f} ms")
     cached = out.get("cached_tokens")
@@ -179,7 +179,7 @@ def summary(record: Mapping[str, Any]) -> dict[str, Any]:
         "id": record["id"], "policy": record["policy"], "chosen": record["chosen"],
         "runner_up": r["worker"] if r is not None else None, "margin_ms": record["margin_ms"],
         "predicted_ttft_ms": record.get("predicted_ttft_ms"),
-        "measured_ttft_ms": out.get("ttft_ms"), "first_byte": out.get("first_byte"),
+        "measured_ttft_ms": out.get("ttft_ms"), "ttft_kind": out.get("ttft_kind"),
         "predicted_hit": record.get("predicted_hit"),
         "predicted_cached_tokens": record.get("predicted_cached_tokens"),
         "reported_cached_tokens": out.get("cached_tokens"),

@@ -27,7 +27,6 @@ from cachepilot.records.schema import (
     OUTCOME_FIELDS,
     clean_outcome,
     decision_to_record,
-    worker_params,
 )
 from cachepilot.records.store import (
     DEFAULT_MAX_AGE_S,
@@ -69,8 +68,8 @@ def recorder_metrics(registry: CollectorRegistry | None = None) -> RecorderMetri
 
 
 _STOP = object()
-# first_byte kinds whose ttft_ms is a real time to first token
-TTFT_KINDS = frozenset({"stream", "sim"})
+# ttft_kind values whose ttft_ms is a real time to first token
+TTFT_KINDS = frozenset({"first_token"})
 
 
 class Recorder:
@@ -113,24 +112,20 @@ class Recorder:
     # -- request path ---------------------------------------------------------------------
     def decision(self, decision: Decision, pool: Any = None, *, prompt: str | None = None) -> bool:
         """Queue a decision. ``pool`` (the routing Pool; by default the one of ``router`` given
-        at construction) adds the cost model and each worker's calibrated parameters so
-        replay can re-price; ``prompt`` is kept only with capture on. Returns False if it
-        was dropped."""
+        at construction) adds its cost model, so replay can re-price; ``prompt`` is kept
+        only with capture on. Returns False if it was dropped."""
         if self._closed:
             return self._drop("decision", "closed")
         if pool is None and self.router is not None:
             pool = self.router.pools.get(decision.pool)
-        params = cost = None
-        if pool is not None:
-            params = worker_params(decision, pool)
-            cost = self._cost_dict(pool.spec.cost)
-        item = ("decision", decision, params, cost,
+        cost = None if pool is None else self._cost_dict(pool.spec.cost)
+        item = ("decision", decision, cost,
                 prompt if self.capture_prompts else None, time.time())
         return self._put(item, "decision")
 
     def outcome(self, decision_id: str, **fields: Any) -> bool:
-        """Queue an outcome report: status, ttft_ms, first_byte ("stream" | "body" | "error"
-        | "sim") or the gateway's ttft_kind ("first_token" | "first_byte"), cached_tokens,
+        """Queue an outcome report: status, ttft_ms, ttft_kind ("first_token" | "first_byte"),
+        cached_tokens,
         prompt_tokens, completion_tokens, completed_at, first_byte_ms, aborted, error. None
         values are ignored; other keys are kept under ``extra``. Reports for one id merge.
         Returns False if it was dropped."""
@@ -150,7 +145,7 @@ class Recorder:
         self.decision(decision, pool)
         if outcome is not None:
             fields = _outcome_fields(outcome)
-            fields.setdefault("first_byte", "sim")
+            fields.setdefault("ttft_kind", "first_token")  # a simulated engine's first token
             self.outcome(decision.id, **fields)
 
     def _cost_dict(self, cost: Any) -> dict[str, Any]:
@@ -204,10 +199,10 @@ class Recorder:
                 elif isinstance(item, threading.Event):
                     events.append(item)
                 elif item[0] == "decision":
-                    _, d, params, cost, prompt, at = item
+                    _, d, cost, prompt, at = item
                     try:
                         ops.append(("decision", decision_to_record(
-                            d, capture_prompt=prompt, params=params, cost=cost,
+                            d, capture_prompt=prompt, cost=cost,
                             source=self.source, recorded_at=at)))
                     except Exception:
                         log.exception("decision log: cannot encode decision %s", d.id)

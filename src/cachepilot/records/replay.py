@@ -1,11 +1,13 @@
-"""Re-decide recorded requests under another policy, weights or cost model.
+"""Re-decide recorded requests through the routing core's own ``Router.decide``.
 
-Each record is re-decided from the state recorded at the time: its Candidate objects are
-rebuilt from the record and handed to the routing core's own ``Policy.values`` and ``pick``
-with the recorded sequence number and the same tie key (the decision id's hash), so under
-the recorded policy and weights every choice is reproduced exactly. With ``cost`` overrides
-the priced terms are first recomputed through the core's cost functions
-(:mod:`cachepilot.core.cost`) from the recorded inputs.
+Each record is turned back into the router's inputs as they were: a pool with the recorded
+cost model, weights, policy (its learned state restored when it is the recorded policy) and
+decision counter; every worker, in the recorded order, with the state it was priced from
+(readiness, the scrape in force, requests in flight, pending prefill, learned batch size,
+calibrated overrides); and a directory in which each worker holds the blocks of the
+request's prefix it was matched on. Then the same ``decide`` the gateway and the simulator
+use prices and picks, with the decision id as tie key. Under the recorded policy, weights and
+cost model every choice comes back; under others, the same code answers "what then".
 
 This is a static replay: a different choice would have changed the queues and caches seen by
 later requests, which the recorded state cannot know. ``--simulate`` runs the counterfactual
@@ -19,22 +21,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from xxhash import xxh3_64_intdigest
-
-from cachepilot.core.cost import (
-    CostModel,
-    Load,
-    Weights,
-    kv_pressure_ms,
-    prefill_ms_per_token,
-    queue_ms,
-)
-from cachepilot.core.decision import Candidate, Decision
-from cachepilot.core.fingerprint import BlockConfig
-from cachepilot.core.policies import Context, Policy, make_policy, pick
+from cachepilot.core.cost import CostModel, Weights
+from cachepilot.core.decision import Decision, RoutingError
+from cachepilot.core.directory import PrefixDirectory
+from cachepilot.core.fingerprint import BlockConfig, Fingerprint
+from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.pool import Pool, PoolSpec
-from cachepilot.core.workers import WorkerMetrics, WorkerState
-from cachepilot.records.schema import record_to_candidates
+from cachepilot.core.router import Router
+from cachepilot.core.workers import WorkerState
+from cachepilot.records.recorder import TTFT_KINDS
+from cachepilot.records.schema import hash_int, record_to_candidates
 
 _COST_FIELDS = {f.name for f in fields(CostModel)}
 _WEIGHT_FIELDS = {f.name for f in fields(Weights)}
@@ -45,38 +41,61 @@ def recorded_cost(record: Mapping[str, Any]) -> CostModel:
     return CostModel(**{k: v for k, v in (record.get("cost") or {}).items() if k in _COST_FIELDS})
 
 
-def reprice(record: Mapping[str, Any], cands: list[Candidate],
-            overrides: Mapping[str, float]) -> CostModel:
-    """Recompute every candidate's priced terms under the recorded cost model with
-    ``overrides`` applied, through the core's cost functions. Per-worker calibrated
-    parameters stay as recorded. The pending prefill a worker had (not a recorded field) is
-    recovered from its recorded queue term."""
-    base = recorded_cost(record)
-    cost = base.with_(**overrides)
-    params = {d["worker"]: d.get("params") or {} for d in record["candidates"]}
-    tokens, blocks = record["tokens"], record.get("blocks", len(record.get("hashes", ())))
-    for c in cands:
-        p = params.get(c.worker, {})
-        metrics = WorkerMetrics(num_blocks=p.get("num_blocks"))
-        old = WorkerState(address=c.worker, metrics=metrics,
-                          prefill_ms_per_token=p.get("prefill_ms_per_token"),
-                          queue_ms_per_waiting=p.get("queue_ms_per_waiting"))
-        per_token_old = prefill_ms_per_token(old, base)
-        per_waiting_old = old.queue_ms_per_waiting or base.queue_ms_per_waiting
-        pending_ms = (c.queue_ms - c.waiting * per_waiting_old
-                      - c.running * base.queue_ms_per_running)
-        old.pending_prefill_tokens = (max(0, round(pending_ms / per_token_old))
-                                      if per_token_old > 0 else 0)
-        age = None if c.metrics_age_ms is None else c.metrics_age_ms / 1000.0
-        load = Load(waiting=c.waiting, running=c.running, kv_usage=c.kv_usage, stale=False,
-                    age_s=age)
-        per_token = prefill_ms_per_token(old, cost)
-        c.saved_ms = c.matched_tokens * per_token
-        c.prefill_ms = (tokens - c.matched_tokens) * per_token
-        c.queue_ms = queue_ms(load, old, cost)
-        c.kv_ms = kv_pressure_ms(load, blocks - c.matched_blocks, old, cost)
-        c.predicted_ttft_ms = cost.base_ttft_ms + c.prefill_ms + c.queue_ms + c.kv_ms
-    return cost
+class Replayer:
+    """One pool and router, refilled from each record: the router's inputs rebuilt."""
+
+    def __init__(self, policy: Policy, *, weights: Mapping[str, float] | None = None,
+                 cost: Mapping[str, float] | None = None) -> None:
+        self.policy = policy
+        self.weights = dict(weights or {})
+        self.cost = dict(cost or {})
+        self.pool: Pool | None = None  # made at the first record: the policy binds to it
+        self.router = Router(id_prefix="replay")
+
+    def rebuild(self, record: Mapping[str, Any]) -> Fingerprint:
+        """Put the pool in the state the record was decided in; return the request's
+        fingerprint."""
+        if record.get("schema_version", 1) < 2:
+            raise ValueError(f"record {record.get('id')} has schema "
+                             f"{record.get('schema_version')}: replay needs the worker state "
+                             "recorded since schema 2 (explain and stats still read it)")
+        hashes = tuple(hash_int(h) for h in record["hashes"])
+        weights = Weights(**{**{k: v for k, v in record["weights"].items()
+                                if k in _WEIGHT_FIELDS}, **self.weights})
+        spec = PoolSpec(name=record["pool"], models=(record["model"],),
+                        policy=self.policy.name, weights=weights,
+                        cost=recorded_cost(record).with_(**self.cost),
+                        block=BlockConfig(block_size=record["block_size"]))
+        if self.pool is None:
+            self.pool = Pool(spec, policy=self.policy)
+        pool = self.pool
+        pool.spec = spec
+        pool.seq = record["seq"]
+        pool.workers = {}
+        pool.directory = PrefixDirectory(default_capacity=len(hashes) + 1)
+        for c in record_to_candidates(record):
+            pool.workers[c.worker] = WorkerState(
+                address=c.worker, ready=c.ready, metrics=c.metrics, inflight=c.inflight,
+                pending_prefill_tokens=c.pending_prefill_tokens,
+                batch_cap_seen=c.batch_cap_seen,
+                prefill_ms_per_token=c.prefill_ms_per_token_override,
+                queue_ms_per_waiting=c.queue_ms_per_waiting_override)
+            pool.directory.add_worker(c.worker)
+            pool.directory.insert(c.worker, hashes[:c.matched_blocks])
+        self.router.pools = {pool.name: pool}
+        if self.policy.name == record["policy"]:
+            self.policy.restore(record.get("extra") or {})
+        return Fingerprint(hashes, record["tokens"], record["block_size"])
+
+    def decide(self, record: Mapping[str, Any]) -> Decision | None:
+        """The decision the router makes on the record's inputs (None: no eligible worker)."""
+        fp = self.rebuild(record)
+        assert self.pool is not None
+        try:
+            return self.router.decide(self.pool, record["model"], fp, record["time"],
+                                      record["id"])
+        except RoutingError:
+            return None
 
 
 @dataclass(slots=True)
@@ -93,73 +112,29 @@ class Redecision:
         return self.chosen != self.recorded
 
 
-def redecide(record: Mapping[str, Any], policy: Policy, *,
-             weights: Mapping[str, float] | None = None,
-             cost: Mapping[str, float] | None = None,
-             _cands: list[Candidate] | None = None) -> Redecision | None:
+def redecide(record: Mapping[str, Any], replayer: Replayer) -> tuple[Redecision, Decision] | None:
     """Re-decide one record. None if no candidate was eligible (nothing to choose)."""
-    cands = record_to_candidates(record) if _cands is None else _cands
-    if cost:
-        reprice(record, cands, cost)
-    eligible = [c for c in cands if c.eligible]
-    if not eligible:
+    d = replayer.decide(record)
+    if d is None:
         return None
-    w = Weights(**{**{k: v for k, v in record["weights"].items() if k in _WEIGHT_FIELDS},
-                   **(weights or {})})
-    if policy.name == record["policy"]:
-        # The learned state the recorded decision used (e.g. the adaptive load weight).
-        for key, value in (record.get("extra") or {}).items():
-            if isinstance(value, int | float) and hasattr(policy, key):
-                setattr(policy, key, value)
-    ctx = Context(seq=record["seq"], tokens=record["tokens"], weights=w)
-    values = policy.values(eligible, ctx)
-    for c, v in zip(eligible, values, strict=True):
-        c.value = v
-    i, margin = pick(values, policy.tie_tolerance, xxh3_64_intdigest(record["id"].encode()))
-    by_worker = {c.worker: c for c in cands}
+    by_worker = {c.worker: c for c in d.candidates}
     recorded = by_worker.get(record["chosen"])
-    chosen = eligible[i]
     return Redecision(
-        id=record["id"], recorded=record["chosen"], chosen=chosen.worker, margin_ms=margin,
+        id=record["id"], recorded=record["chosen"], chosen=d.chosen, margin_ms=d.margin_ms,
         recorded_ttft_ms=(recorded.predicted_ttft_ms if recorded is not None
                           else float("nan")),
-        new_ttft_ms=chosen.predicted_ttft_ms,
-    )
+        new_ttft_ms=d.winner.predicted_ttft_ms,
+    ), d
 
 
-_STATEFUL_HOOKS = ("before_route", "after_route", "on_finish")
-
-
-def replay_policy(name: str, record: Mapping[str, Any]) -> Policy:
-    """A fresh policy for replay, bound to a pool shaped like the recorded one. Policies that
-    keep routing state of their own (hooks around each route) cannot be rebuilt from the
-    record: ValueError."""
+def replay_policy(name: str) -> Policy:
+    """A fresh live policy for replay. The simulator's peer models keep routing state that a
+    record cannot rebuild: ValueError, pointing at ``--simulate``."""
     try:
-        pol = make_policy(name)
-    except ValueError:
-        try:  # the simulator's peer models register on import
-            import cachepilot.sim.peers  # noqa: F401
-        except ImportError:
-            raise ValueError(f"unknown policy {name!r}") from None
-        pol = make_policy(name)
-    hooks = [h for h in _STATEFUL_HOOKS if hasattr(pol, h)]
-    if hooks:
-        raise ValueError(f"policy {name!r} keeps its own routing state ({', '.join(hooks)}): "
-                         "a static replay cannot rebuild it; use --simulate")
-    bind = getattr(pol, "bind", None)
-    if bind is not None:
-        bind(Pool(PoolSpec(name=record["pool"], policy="priced", cost=recorded_cost(record),
-                           block=BlockConfig(block_size=record["block_size"]))))
-    return pol
-
-
-def _as_decision(record: Mapping[str, Any], cands: list[Candidate], r: Redecision) -> Decision:
-    """A Decision for ``Policy.observe`` (learning policies read the winner's terms)."""
-    return Decision(id=record["id"], time=record["time"], pool=record["pool"],
-                    model=record["model"], policy=record["policy"],
-                    weights=dict(record["weights"]), seq=record["seq"], tokens=record["tokens"],
-                    block_size=record["block_size"], hashes=(), candidates=cands,
-                    chosen=r.chosen, margin_ms=r.margin_ms, reason="replay")
+        return make_policy(name)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (the simulator's peer models replay only with "
+                         "--simulate)") from None
 
 
 def imbalance(counts: Mapping[str, int]) -> float:
@@ -215,22 +190,22 @@ class ReplayReport:
 def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
            weights: Mapping[str, float] | None = None, cost: Mapping[str, float] | None = None,
            keep_changes: int = 10) -> ReplayReport:
-    """Re-decide every record. ``policy`` None keeps each record's own policy. A stateful
-    policy sees, through ``observe``, the measured TTFT of decisions it reproduced."""
-    policies: dict[str, Policy] = {}
+    """Re-decide every record. ``policy`` None keeps each record's own policy. A learning
+    policy sees the measured first-token TTFT of the decisions it reproduced."""
+    replayers: dict[str, Replayer] = {}
     report = ReplayReport(policy=policy or "recorded", weights=dict(weights or {}),
                           cost=dict(cost or {}))
     for rec in records:
         report.total += 1
         name = policy or rec["policy"]
-        pol = policies.get(name)
-        if pol is None:
-            pol = policies[name] = replay_policy(name, rec)
-        cands = record_to_candidates(rec)
-        r = redecide(rec, pol, weights=weights, cost=cost, _cands=cands)
-        if r is None:
+        rp = replayers.get(name)
+        if rp is None:
+            rp = replayers[name] = Replayer(replay_policy(name), weights=weights, cost=cost)
+        result = redecide(rec, rp)
+        if result is None:
             report.skipped += 1
             continue
+        r, decision = result
         report.replayed += 1
         report.recorded_ttft_ms += r.recorded_ttft_ms
         report.new_ttft_ms += r.new_ttft_ms
@@ -246,7 +221,8 @@ def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
             if len(report.changes) < keep_changes:
                 report.changes.append(r)
         outcome = rec.get("outcome") or {}
-        if not r.changed and outcome.get("ttft_ms") is not None:
-            pol.observe(_as_decision(rec, cands, r), outcome["ttft_ms"])
+        if (not r.changed and outcome.get("ttft_ms") is not None
+                and outcome.get("ttft_kind") in TTFT_KINDS):
+            rp.policy.on_first_token(decision, outcome["ttft_ms"])  # a learning policy learns
     return report
 

@@ -1,10 +1,11 @@
 """The decision record: one versioned JSON object per routing decision, outcome joined later.
 
 A record holds everything ``cachepilot explain`` shows and everything ``cachepilot replay``
-needs to re-decide without the live state: every candidate with its inputs (matched blocks,
-queue, KV usage, metric age) and its priced terms in ms, the policy, weights and tie key
-(the decision id), plus, when the recorder was given the pool, the cost model and each
-worker's calibrated parameters so replay can re-price the terms under another cost model.
+needs to rebuild the router's inputs and call the same ``Router.decide``: every candidate
+with the worker state it was priced from (readiness, the scrape in force, requests in flight,
+pending prefill, learned batch size, calibrated overrides) and its priced terms in ms, the
+policy, its learned state, weights, decision counter and tie key (the decision id), plus,
+when the recorder was given the pool, the pool's cost model.
 
 Prompt text is never part of a record unless the caller passes ``capture_prompt``
 (the recorder only does so when the operator enabled prompt capture). The prefix is
@@ -18,15 +19,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachepilot.core.decision import Candidate, Decision
+from cachepilot.core.workers import WorkerMetrics
 
-SCHEMA_VERSION = 1
+# 2: candidates carry the worker state they were priced from (replay calls Router.decide);
+# outcomes name their TTFT with ttft_kind. Logs of schema 1 can still be read and explained.
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 
 # Outcome fields the gateway or simulator may report, all optional.
 OUTCOME_FIELDS: dict[str, type | tuple[type, ...]] = {
     "status": int,  # HTTP status the worker answered with (or the gateway's error status)
-    "ttft_ms": (int, float),  # request sent → first response byte, measured
-    "first_byte": str,  # what that first byte was: "stream" (first SSE chunk: a real TTFT),
-    #                     "body" (a non-streamed body: TTFT + generation), "error", "sim"
+    "ttft_ms": (int, float),  # request sent → first token (or first byte, see ttft_kind)
+    # "first_token": a real TTFT (a streamed response's first chunk, a simulated engine's
+    # first token); "first_byte": a non-streamed body, so TTFT + the whole generation.
+    "ttft_kind": str,
     "cached_tokens": int,  # usage.prompt_tokens_details.cached_tokens reported by the worker
     "prompt_tokens": int,  # usage.prompt_tokens
     "completion_tokens": int,
@@ -34,12 +40,12 @@ OUTCOME_FIELDS: dict[str, type | tuple[type, ...]] = {
     "error": str,
     "aborted": bool,  # the client or the stream went away before the end
     "first_byte_ms": (int, float),  # request sent → response headers (streamed or not)
-    "ttft_kind": str,  # the gateway's name for it: "first_token" (streamed) or "first_byte"
 }
-# ttft_kind (the gateway's vocabulary) → first_byte kind, when first_byte is not given
-_TTFT_KIND = {"first_token": "stream", "first_byte": "body"}
+# Schema 1 named the TTFT's kind "first_byte": stream / sim / body.
+_V1_TTFT_KIND = {"stream": "first_token", "sim": "first_token", "body": "first_byte"}
 
 CANDIDATE_FIELDS = tuple(Candidate.__dataclass_fields__)
+METRICS_FIELDS = tuple(WorkerMetrics.__dataclass_fields__)
 
 
 def hash_hex(h: int) -> str:
@@ -50,38 +56,19 @@ def hash_int(s: str) -> int:
     return int(s, 16)
 
 
-def worker_params(decision: Decision, pool: Any) -> dict[str, dict[str, Any]]:
-    """Per-candidate parameters the priced terms used that the Decision does not carry:
-    calibrated overrides (None: the pool's cost model applies) and the engine's KV block
-    count. Taken from the live pool, so call it right after routing."""
-    out: dict[str, dict[str, Any]] = {}
-    workers = getattr(pool, "workers", {}) or {}
-    for c in decision.candidates:
-        w = workers.get(c.worker)
-        if w is None:
-            continue
-        out[c.worker] = {
-            "prefill_ms_per_token": w.prefill_ms_per_token,
-            "queue_ms_per_waiting": w.queue_ms_per_waiting,
-            "num_blocks": w.metrics.num_blocks if w.metrics is not None else None,
-        }
-    return out
-
-
 def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
-                       pool: Any = None, params: Mapping[str, Mapping[str, Any]] | None = None,
-                       cost: Mapping[str, Any] | None = None, source: str | None = None,
+                       pool: Any = None, cost: Mapping[str, Any] | None = None,
+                       source: str | None = None,
                        recorded_at: float | None = None) -> dict[str, Any]:
-    """A Decision → a JSON-ready record. ``pool`` (or pre-taken ``params`` and ``cost``)
-    adds what re-pricing needs; ``capture_prompt`` is stored only when given."""
-    if pool is not None:
-        params = worker_params(decision, pool) if params is None else params
-        cost = pool.spec.cost.to_dict() if cost is None else cost
+    """A Decision → a JSON-ready record. ``pool`` (or a pre-taken ``cost``) adds the pool's
+    cost model; ``capture_prompt`` is stored only when given."""
+    if pool is not None and cost is None:
+        cost = pool.spec.cost.to_dict()
     cands = []
     for c in decision.candidates:
         d = {f: getattr(c, f) for f in CANDIDATE_FIELDS}
-        if params and c.worker in params:
-            d["params"] = dict(params[c.worker])
+        m = c.metrics
+        d["metrics"] = None if m is None else {f: getattr(m, f) for f in METRICS_FIELDS}
         cands.append(d)
     winner = next((c for c in decision.candidates if c.worker == decision.chosen), None)
     rec: dict[str, Any] = {
@@ -133,8 +120,6 @@ def clean_outcome(fields: Mapping[str, Any]) -> dict[str, Any]:
         if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
             raise TypeError(f"outcome field {key!r} must be {kind}, got {value!r}")
         out[key] = value
-    if "ttft_kind" in out and "first_byte" not in out:
-        out["first_byte"] = _TTFT_KIND.get(out["ttft_kind"], out["ttft_kind"])
     if extra:
         out["extra"] = extra
     return out
@@ -156,6 +141,9 @@ def join(record: dict[str, Any], outcome: Mapping[str, Any] | None) -> dict[str,
     rec = dict(record)
     if outcome:
         out = dict(outcome)
+        legacy = out.pop("first_byte", None)  # schema 1
+        if legacy is not None and "ttft_kind" not in out:
+            out["ttft_kind"] = _V1_TTFT_KIND.get(legacy, legacy)
         cached = out.get("cached_tokens")
         if cached is not None:
             out["measured_hit"] = cached > 0
@@ -173,16 +161,20 @@ def record_to_candidates(record: Mapping[str, Any]) -> list[Candidate]:
     """Rebuild the Candidate objects a record was made from (unknown keys ignored)."""
     out = []
     for d in record["candidates"]:
-        out.append(Candidate(**{f: d[f] for f in CANDIDATE_FIELDS if f in d}))
+        c = Candidate(**{f: d[f] for f in CANDIDATE_FIELDS if f in d and f != "metrics"})
+        m = d.get("metrics")
+        if m is not None:
+            c.metrics = WorkerMetrics(**{f: m[f] for f in METRICS_FIELDS if f in m})
+        out.append(c)
     return out
 
 
 def check_record(record: Mapping[str, Any]) -> None:
     """Raise ValueError unless this is a complete record of a schema this code reads."""
     version = record.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMAS:
         raise ValueError(f"decision record schema {version!r}; this cachepilot reads "
-                         f"{SCHEMA_VERSION}")
+                         f"{', '.join(map(str, READABLE_SCHEMAS))}")
     for key in ("id", "time", "policy", "candidates", "chosen", "seq"):
         if key not in record:
             raise ValueError(f"decision record lacks {key!r}")

@@ -32,6 +32,7 @@ import lmdb
 import orjson
 
 from cachepilot.records.schema import (
+    READABLE_SCHEMAS,
     SCHEMA_VERSION,
     check_record,
     join,
@@ -88,9 +89,12 @@ class Store:
             version = txn.get(b"schema_version", db=self._meta)
             if version is None and create:
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self._meta)
-            elif version is not None and int(version) != SCHEMA_VERSION:
+            elif version is not None and (
+                    int(version) not in READABLE_SCHEMAS
+                    or (create and int(version) != SCHEMA_VERSION)):
                 raise ValueError(f"{self.path}: decision log schema {int(version)}; this "
-                                 f"cachepilot reads {SCHEMA_VERSION}")
+                                 f"cachepilot writes {SCHEMA_VERSION} and reads "
+                                 f"{', '.join(map(str, READABLE_SCHEMAS))}")
             cur = txn.cursor(db=self._rec)
             self._last_key = _KEY.unpack(cur.key())[0] if cur.last() else 0
 

@@ -1,17 +1,13 @@
-"""Peer routing policies, modelled on what each project ships, and CachePilot's adaptive load
-weight. :data:`SIM_POLICIES` is what the simulator can run: the live policies and these.
+"""Peer routing policies, modelled on what each project ships, for the simulator's studies.
+:data:`SIM_POLICIES` is what the simulator can run: the live policies and these.
 
-The core's :class:`Policy` sees only the candidates (per-worker matched blocks, scraped load,
-router in-flight counts) and a small context. Some peers keep state of their own (SGLang's
-radix tree, KubeAI's hash ring key, Dynamo's active-block counts), so these models may also
-implement three optional hooks that the simulator calls when present:
-
-- ``bind(pool)``: once, before the run;
-- ``before_route(pool, request, now)``: with the :class:`~cachepilot.sim.workloads.SimRequest`
-  about to be routed (its fingerprint, and where its user content starts);
-- ``after_route(decision, request)`` and ``on_finish(decision)``: bookkeeping.
-
-The live gateway calls none of these hooks, so these peers run in the simulator only.
+A peer is a core :class:`Policy`: it values the candidates (per-worker matched blocks, scraped
+load, router in-flight counts) with the request's fingerprint in its context, and peers that
+keep state of their own (SGLang's radix tree, Dynamo's active-block counts) update it in the
+typed lifecycle hooks (``on_routed``, ``on_finish``) that the router calls. They are not in
+:data:`~cachepilot.core.policies.LIVE_POLICIES`: a live pool cannot select them (they model
+another router, and some need what only the simulator knows, such as where user content
+starts).
 """
 
 from __future__ import annotations
@@ -19,10 +15,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
 from cachepilot.core.decision import Candidate, Decision
+from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.policies import LIVE_POLICIES, Context, Policy
 
 
@@ -50,37 +48,31 @@ class SGLangCacheAware(Policy):
         self.balance_rel_threshold = balance_rel_threshold
         self._trees: dict[str, set[int]] = {}
         self._tree_tokens: dict[str, int] = {}
-        self._match: dict[str, int] = {}
-        self._hashes: tuple[int, ...] = ()
-        self._block = 16
 
-    def before_route(self, pool, request, now: float) -> None:
-        self._hashes = request.fp.hashes
-        self._block = request.fp.block_size
-        self._match = {}
-        for w in pool.workers:
-            tree = self._trees.setdefault(w, set())
-            n = 0
-            for h in self._hashes:
-                if h not in tree:
-                    break
-                n += 1
-            self._match[w] = n
+    def _matched(self, worker: str, hashes: Sequence[int]) -> int:
+        tree = self._trees.get(worker, ())
+        n = 0
+        for h in hashes:
+            if h not in tree:
+                break
+            n += 1
+        return n
 
-    def after_route(self, decision: Decision, request) -> None:
+    def on_routed(self, decision: Decision, pool: Any) -> None:
         tree = self._trees.setdefault(decision.chosen, set())
-        new = [h for h in request.fp.hashes if h not in tree]
+        new = [h for h in decision.hashes if h not in tree]
         tree.update(new)
         self._tree_tokens[decision.chosen] = (self._tree_tokens.get(decision.chosen, 0)
-                                              + len(new) * self._block)
+                                              + len(new) * decision.block_size)
 
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         loads = [c.inflight for c in cands]
         hi, lo = max(loads), min(loads)
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
             return [1.0 if ld == lo else 0.0 for ld in loads]
-        blocks = max(len(self._hashes), 1)
-        matched = [self._match.get(c.worker, 0) for c in cands]
+        hashes = ctx.fingerprint.hashes if ctx.fingerprint is not None else ()
+        blocks = max(len(hashes), 1)
+        matched = [self._matched(c.worker, hashes) for c in cands]
         best = max(matched)
         if best / blocks > self.cache_threshold:
             return [1.0 if m == best else 0.0 for m in matched]
@@ -111,7 +103,6 @@ class KubeAICHWBL(Policy):
         self._ring: list[tuple[int, str]] = []
         self._points: list[int] = []
         self._members: tuple[str, ...] = ()
-        self._key = 0
 
     def _build(self, workers: Sequence[str]) -> None:
         ring = sorted((xxh3_64_intdigest(f"{w}#{i}".encode()), w)
@@ -120,13 +111,13 @@ class KubeAICHWBL(Policy):
         self._points = [p for p, _ in ring]
         self._members = tuple(sorted(workers))
 
-    def before_route(self, pool, request, now: float) -> None:
-        hashes = request.fp.hashes
-        end_block = int((request.user_start + self.prefix_tokens) // request.fp.block_size)
-        if hashes:
-            self._key = hashes[max(0, min(end_block, len(hashes)) - 1)]
-        else:
-            self._key = xxh3_64_intdigest(str(request.fp.tokens).encode())
+    def _key(self, ctx: Context) -> int:
+        fp = ctx.fingerprint
+        if fp is None or not fp.hashes:
+            return xxh3_64_intdigest(str(ctx.tokens).encode())
+        user_start = ctx.request.user_start if ctx.request is not None else 0
+        end_block = int((user_start + self.prefix_tokens) // fp.block_size)
+        return fp.hashes[max(0, min(end_block, len(fp.hashes)) - 1)]
 
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         names = tuple(sorted(c.worker for c in cands))
@@ -135,7 +126,7 @@ class KubeAICHWBL(Policy):
         load = {c.worker: c.inflight for c in cands}
         total = sum(load.values())
         bound = self.load_factor * (total + 1) / len(cands)
-        start = bisect.bisect_left(self._points, self._key)
+        start = bisect.bisect_left(self._points, self._key(ctx))
         chosen = None
         ring = self._ring
         for k in range(len(ring)):
@@ -188,12 +179,12 @@ class DynamoKV(Policy):
     def bind(self, pool) -> None:
         self._bs = pool.spec.block.block_size
 
-    def after_route(self, decision: Decision, request) -> None:
+    def on_routed(self, decision: Decision, pool: Any) -> None:
         blocks = -(-decision.tokens // decision.block_size)
         self._blocks[decision.id] = blocks
         self._active[decision.chosen] = self._active.get(decision.chosen, 0) + blocks
 
-    def on_finish(self, decision: Decision) -> None:
+    def on_finish(self, decision: Decision, outcome: Outcome) -> None:
         blocks = self._blocks.pop(decision.id, 0)
         self._active[decision.chosen] = self._active.get(decision.chosen, 0) - blocks
 

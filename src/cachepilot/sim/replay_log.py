@@ -16,14 +16,15 @@ from cachepilot.core.cost import Weights
 from cachepilot.core.fingerprint import Fingerprint
 from cachepilot.records.replay import recorded_cost
 from cachepilot.records.schema import hash_int
+from cachepilot.sim.measures import summarize
+from cachepilot.sim.simulator import SimConfig, Simulator
+from cachepilot.sim.workloads import BLOCK, SimRequest
 
 DEFAULT_MAX_TOKENS = 128  # when the log has no completion_tokens for a request
 
 
 def arrivals(records: Iterable[Mapping[str, Any]]) -> tuple[list[Any], list[Mapping[str, Any]]]:
     """SimRequests for the recorded decisions, in time order, arrival 0 at the first."""
-    from cachepilot.sim import SimRequest
-
     recs = sorted(records, key=lambda r: r["time"])
     if not recs:
         return [], []
@@ -41,12 +42,6 @@ def arrivals(records: Iterable[Mapping[str, Any]]) -> tuple[list[Any], list[Mapp
 def simulate_log(records: Iterable[Mapping[str, Any]], *, policy: str | None = None,
                  weights: Mapping[str, float] | None = None,
                  cost: Mapping[str, float] | None = None) -> dict[str, Any]:
-    try:
-        from cachepilot.sim import SimConfig, Simulator
-        from cachepilot.sim.measures import summarize
-        from cachepilot.sim.workloads import BLOCK
-    except ImportError as exc:
-        raise ImportError(f"--simulate needs the simulator (cachepilot.sim): {exc}") from None
     reqs, recs = arrivals(records)
     if not reqs:
         return {"requests": 0}

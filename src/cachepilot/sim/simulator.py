@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import time as _time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,8 @@ from cachepilot.core import (
     Weights,
     WorkerMetrics,
 )
+from cachepilot.core.lifecycle import Outcome as RequestOutcome
+from cachepilot.core.lifecycle import Plugin
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.sim.peers import SIM_POLICIES
@@ -103,6 +105,7 @@ class Simulator:
     """Drive a workload through the router and the engines. One instance = one run."""
 
     def __init__(self, config: SimConfig, *, policy: Policy | None = None,
+                 plugins: Sequence[Plugin] = (),
                  on_decision: Callable[[Decision | None, Outcome], None] | None = None) -> None:
         self.cfg = config
         if config.engine.block_size != BLOCK.block_size:
@@ -113,7 +116,7 @@ class Simulator:
                         capacity_blocks=config.engine.num_blocks)
         self.policy = policy or make_policy(config.policy, SIM_POLICIES)
         self.pool = Pool(spec, policy=self.policy)
-        self.router = Router([self.pool], id_prefix="sim")
+        self.router = Router([self.pool], id_prefix="sim", plugins=plugins)
         self.workers: dict[str, _Worker] = {}
         for i in range(config.workers):
             addr = f"10.0.0.{i + 1}:8000"
@@ -123,12 +126,6 @@ class Simulator:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.now = 0.0
-        self._hook_before = getattr(self.policy, "before_route", None)
-        self._hook_after = getattr(self.policy, "after_route", None)
-        self._hook_done = getattr(self.policy, "on_finish", None)
-        bind = getattr(self.policy, "bind", None)
-        if bind is not None:
-            bind(self.pool)
 
     # -- events ---------------------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -170,8 +167,7 @@ class Simulator:
                    else last_arrival + self.cfg.drain_limit_s)
         inflight: dict[int, tuple[Decision, Outcome]] = {}
         events = 0
-        router, pool, policy = self.router, self.pool, self.policy
-        hook_before, hook_after, hook_done = self._hook_before, self._hook_after, self._hook_done
+        router = self.router
         heap = self._events
         pop = heapq.heappop
         remaining = len(reqs)
@@ -186,11 +182,10 @@ class Simulator:
                 if interval <= 0:
                     self.scrape(t)
                 out = Outcome(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
-                if hook_before is not None:
-                    hook_before(pool, r, t)
                 try:
                     d = router.route(InferenceRequest(model=MODEL, max_tokens=r.max_tokens,
-                                                      fingerprint=r.fp), t, f"r{r.id}")
+                                                      fingerprint=r.fp, user_start=r.user_start),
+                                     t, f"r{r.id}")
                 except RoutingError as exc:
                     out.rejected = exc.code
                     outcomes.append(out)
@@ -201,8 +196,6 @@ class Simulator:
                 lw = d.extra.get("load_weight")  # set by the router for adaptive policies
                 if lw is not None:
                     weights_trace.append((t, lw))
-                if hook_after is not None:
-                    hook_after(d, r)
                 out.worker = d.chosen
                 w = self.workers[d.chosen]
                 w.assigned += 1
@@ -219,14 +212,13 @@ class Simulator:
                     out.first_token_at = er.first_token_at
                     out.ttft_s = er.first_token_at - out.arrival
                     out.cached_tokens = er.cached_tokens
-                    router.first_token(d)
-                    policy.observe(d, out.ttft_s * 1000.0)
+                    router.first_token(d, out.ttft_s * 1000.0)
                 for er in res.finished:
                     d, out = inflight.pop(er.id)
                     out.finished_at = er.finished_at
-                    router.release(d)
-                    if hook_done is not None:
-                        hook_done(d)
+                    router.release(d, RequestOutcome(
+                        status=200, ttft_ms=None if out.ttft_s is None else out.ttft_s * 1000.0,
+                        ttft_kind="first_token", cached_tokens=out.cached_tokens))
                     outcomes.append(out)
                     remaining -= 1
                     if self.on_decision is not None:
