@@ -16,13 +16,16 @@ from cachepilot.core.request import flatten_messages
 from cachepilot.gateway.engine_metrics import parse_metrics
 from cachepilot.tooling import llamacpp
 from cachepilot.tooling.llamacpp import (
+    WORKLOAD,
     LlamaStack,
     LlamaWorkerSpec,
-    RealWorkload,
-    Sample,
+    bodies,
     directory_capacity_blocks,
+    requests,
     summarize,
+    typical_prompt,
 )
+from cachepilot.tooling.loadgen import Result
 
 DATA = Path(__file__).parent / "data"
 
@@ -64,14 +67,14 @@ def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
     """With capacity = one prompt's blocks, routing prompt B to a one-slot worker removes
     every block of prompt A from the directory, as llama.cpp overwrites the slot; one slot's
     worth of context would keep A's root blocks and predict a hit that cannot happen."""
-    w = RealWorkload(groups=2, p_unique=0.0, seed=1)
+    reqs = requests(WORKLOAD.with_(groups=2, p_unique=0.0), seed=1)
     prompts = {}
-    for label, body in w.bodies():
+    for label, body in bodies(reqs):
         prompts.setdefault(label, body)
     cfg = BlockConfig(16, 5.8)
     a, b = (fingerprint("m", cfg, text=flatten_messages(prompts[k]["messages"]))
             for k in ("shared-0", "shared-1"))
-    tokens = int(len(w.typical_prompt().encode()) / 5.8)
+    tokens = int(len(typical_prompt(reqs).encode()) / 5.8)
     one_slot = LlamaWorkerSpec(parallel=1, cache_ram_mib=0)
     for capacity, a_left in ((directory_capacity_blocks(one_slot, 16, tokens), 0),
                              (directory_capacity_blocks(one_slot, 16), None)):
@@ -86,7 +89,7 @@ def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
             assert left > 0  # the upper bound keeps A's roots: a false hit prediction
     # Under the margin, B's document (all but its question) is still matched, a little
     # shorter: the prediction stays a hit.
-    b2 = next(body for label, body in w.bodies()[1:] if label == "shared-1"
+    b2 = next(body for label, body in bodies(reqs)[1:] if label == "shared-1"
               and body != prompts["shared-1"])
     fb2 = fingerprint("m", cfg, text=flatten_messages(b2["messages"]))
     d = PrefixDirectory(directory_capacity_blocks(one_slot, 16, tokens))
@@ -114,22 +117,23 @@ def test_threads_fit_the_budget() -> None:
 
 
 def test_workload_is_deterministic_and_shares_prefixes() -> None:
-    w = RealWorkload(requests=40, groups=2, p_unique=0.25, seed=3)
-    a, b = w.bodies(), w.bodies()
-    assert a == b
+    spec = WORKLOAD.with_(groups=2, p_unique=0.25)
+    a, b = bodies(requests(spec, 40, seed=3)), bodies(requests(spec, 40, seed=3))
+    assert a == b and len(a) == 40
     docs = [label for label, _ in a]
     assert {d for d in docs if d.startswith("shared")} == {"shared-0", "shared-1"}
     uniques = [d for d in docs if d.startswith("unique")]
     assert 0 < len(uniques) < 40 and len(set(uniques)) == len(uniques)
     systems = {label: body["messages"][0]["content"] for label, body in a}
     assert systems["shared-0"] != systems["shared-1"]
-    assert all(body["stream"] and body["max_tokens"] == w.max_tokens for _, body in a)
+    assert all(body["stream"] and body["max_tokens"] == 8 and body["ignore_eos"]
+               for _, body in a)
 
 
-def _s(pred: bool, cached: int, ttft: float) -> Sample:
-    return Sample(doc="d", ok=True, ttft_ms=ttft, worker="w", decision_id="x",
-                  prompt_tokens=100, cached_tokens=cached, predicted_hit=pred,
-                  predicted_cached_tokens=64 if pred else 0)
+def _s(pred: bool, cached: int, ttft_ms: float) -> Result:
+    return Result(ok=True, status=200, label="d", ttft_s=ttft_ms / 1000, worker="w",
+                  decision_id="x", prompt_tokens=100, cached_tokens=cached,
+                  predicted_hit=pred, predicted_cached_tokens=64 if pred else 0)
 
 
 def test_summary_scores_prediction_against_cached_tokens() -> None:
@@ -138,9 +142,11 @@ def test_summary_scores_prediction_against_cached_tokens() -> None:
     out = summarize(samples, 10.0)
     assert out["confusion"] == {"tp": 2, "fp": 1, "fn": 1, "tn": 1}
     assert out["precision"] == round(2 / 3, 3) and out["recall"] == round(2 / 3, 3)
-    assert out["ttft_predicted_hit"]["n"] == 3 and out["ttft_predicted_hit"]["p50_ms"] == 120
-    assert out["ttft_predicted_miss"]["p50_ms"] == 900.0
-    assert out["cached_token_share"] == round(260 / 500, 3)
+    assert out["ttft_predicted_hit"]["n"] == 3
+    assert out["ttft_predicted_hit"]["ttft_p50_s"] == 0.12
+    assert out["ttft_predicted_miss"]["ttft_p50_s"] == 0.9
+    assert out["token_hit_rate"] == round(260 / 500, 3)
+    assert out["requests"] == 5 and out["errors"] == 0 and out["ttft_p50_s"] == 0.2
 
 
 @pytest.mark.slow

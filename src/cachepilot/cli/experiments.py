@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +12,13 @@ import orjson
 from cachepilot.cli.options import stack_failed
 from cachepilot.tooling.llamacpp import (
     PHASES,
+    WORKLOAD,
     LlamaWorkerSpec,
-    RealWorkload,
     installed,
     run_experiment,
     threads_per_worker,
 )
+from cachepilot.tooling.llamacpp.workload import REQUESTS, SEED
 
 
 @click.group("experiment")
@@ -66,13 +66,13 @@ def seed_claims_cmd(seeds: int, out_dir: str, processes: int | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 @click.option("--out", "out_dir", default="results/real-model", show_default=True,
               type=click.Path(file_okay=False), help="results.json, samples.json, the plot, logs.")
-@click.option("--requests", type=click.IntRange(1), default=RealWorkload.requests,
+@click.option("--requests", type=click.IntRange(1), default=REQUESTS,
               show_default=True)
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=RealWorkload.rate,
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=WORKLOAD.rate,
               show_default=True)
 @click.option("--workers", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--seed", type=int, default=RealWorkload.seed, show_default=True)
-@click.option("--groups", type=click.IntRange(1), default=RealWorkload.groups,
+@click.option("--seed", type=int, default=SEED, show_default=True)
+@click.option("--groups", type=click.IntRange(1), default=WORKLOAD.groups,
               show_default=True, help="Shared documents.")
 @click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0),
               default=LlamaWorkerSpec.cache_ram_mib, show_default=True,
@@ -89,13 +89,13 @@ def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, work
     why = installed()
     if why:
         raise click.ClickException(why)
-    workload = replace(RealWorkload(), requests=requests, rate=rate, seed=seed, groups=groups)
+    workload = WORKLOAD.with_(rate=rate, groups=groups)
     spec = LlamaWorkerSpec(threads=threads_per_worker(workers), parallel=slots,
                            cache_ram_mib=cache_ram_mib)
     echo = None if as_json else (lambda m: click.echo(m, err=True))
     try:
-        result = run_experiment(workload, Path(out_dir), workers=workers, echo=echo,
-                                full_slots=assume_full_slots, spec=spec)
+        result = run_experiment(Path(out_dir), workload, requests, seed, workers=workers,
+                                echo=echo, full_slots=assume_full_slots, spec=spec)
     except (RuntimeError, TimeoutError, OSError) as exc:
         raise stack_failed(exc, None) from None
     if as_json:
@@ -104,19 +104,26 @@ def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, work
     _table(result)
 
 
+def _ms(x: float | None) -> str:
+    return "–" if x is None or x != x else f"{x * 1000:.0f}"
+
+
 def _table(result: dict[str, Any]) -> None:
+    """The figures per policy; TTFTs in ms (the result's keys are in seconds)."""
     names = [n for n, _ in PHASES]
     click.echo(f"{'':36}" + "".join(f"{n:>26}" for n in names))
     click.echo(f"{'TTFT mean, all (ms)':36}" + "".join(
-        f"{result[n]['ttft_all']['mean_ms']!s:>26}" for n in names))
-    rows = [("TTFT p50 / p90, all (ms)", "ttft_all"),
-            ("TTFT p50 / p90, predicted hits", "ttft_predicted_hit"),
+        f"{_ms(result[n]['ttft_mean_s']):>26}" for n in names))
+    click.echo(f"{'TTFT p50 / p90, all (ms)':36}" + "".join(
+        f"{_ms(result[n]['ttft_p50_s'])} / {_ms(result[n]['ttft_p90_s'])} "
+        f"(n={result[n]['requests'] - result[n]['errors']})".rjust(26) for n in names))
+    rows = [("TTFT p50 / p90, predicted hits", "ttft_predicted_hit"),
             ("TTFT p50 / p90, predicted misses", "ttft_predicted_miss")]
     for label, key in rows:
-        cells = [f"{result[n][key]['p50_ms']} / {result[n][key]['p90_ms']} "
+        cells = [f"{_ms(result[n][key]['ttft_p50_s'])} / {_ms(result[n][key]['ttft_p90_s'])} "
                  f"(n={result[n][key]['n']})" for n in names]
         click.echo(f"{label:36}" + "".join(f"{c:>26}" for c in cells))
     for label, key in (("hit precision", "precision"), ("hit recall", "recall"),
-                       ("cached share of prompt tokens", "cached_token_share")):
+                       ("cached share of prompt tokens", "token_hit_rate")):
         click.echo(f"{label:36}" + "".join(f"{result[n][key]!s:>26}" for n in names))
     click.echo(f"plot: {result['plot']}")

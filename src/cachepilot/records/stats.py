@@ -1,4 +1,11 @@
-"""``cachepilot decisions stats LOG``: how good were the predictions, and where did requests go."""
+"""``cachepilot decisions stats LOG``: how good were the predictions, and where did requests go.
+
+Also the one summary of measured requests every driver reports (:func:`ttft_summary`,
+:func:`imbalance`): the simulator, the load generator and the real-model experiment all
+name TTFT percentiles ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``, ``ttft_mean_s`` (seconds)
+and the busiest worker's share over the mean ``imbalance``. Decision records themselves keep
+milliseconds (``predicted_ttft_ms``), and so does the prediction-error summary below.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,23 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepilot.records.recorder import TTFT_KINDS
+
+
+def ttft_summary(ttfts_s: Iterable[float]) -> dict[str, float]:
+    """TTFT percentiles and mean in seconds (NaN when there is none)."""
+    x = np.asarray(list(ttfts_s), dtype=float)
+
+    def pct(q: float) -> float:
+        return float(np.percentile(x, q)) if x.size else float("nan")
+
+    return {"ttft_p50_s": pct(50), "ttft_p90_s": pct(90), "ttft_p99_s": pct(99),
+            "ttft_mean_s": float(x.mean()) if x.size else float("nan")}
+
+
+def imbalance(counts: Iterable[float]) -> float:
+    """The largest value over the mean (1.0: perfectly even; NaN when empty or all zero)."""
+    x = np.asarray(list(counts), dtype=float)
+    return float(x.max() / x.mean()) if x.size and x.mean() > 0 else float("nan")
 
 
 def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -39,7 +63,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         if out.get("cached_tokens") is not None:
             hit_pairs.append((bool(rec.get("predicted_hit")), out["cached_tokens"] > 0))
         ttft = out.get("ttft_ms")
-        if (ttft is not None and out.get("first_byte") in TTFT_KINDS
+        if (ttft is not None and out.get("ttft_kind") in TTFT_KINDS
                 and rec.get("predicted_ttft_ms") is not None):
             pred_ttft.append(rec["predicted_ttft_ms"])
             meas_ttft.append(ttft)
@@ -143,7 +167,7 @@ def plot(records: Iterable[Mapping[str, Any]], path: str) -> None:
     summary = summarize(recs)
     pts = [(r["time"], r["predicted_ttft_ms"], r["outcome"]["ttft_ms"]) for r in recs
            if r.get("outcome") and r["outcome"].get("ttft_ms") is not None
-           and r["outcome"].get("first_byte") in TTFT_KINDS]
+           and r["outcome"].get("ttft_kind") in TTFT_KINDS]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     ax = axes[0]
     if pts:

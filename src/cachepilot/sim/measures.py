@@ -1,5 +1,7 @@
 """Per-run measures: TTFT percentiles, throughput, token hit rate, evictions, imbalance,
-utilization, and the ratio to the ideal bound."""
+utilization, and the ratio to the ideal bound. The keys shared with the load generator and
+the real-model experiment (``ttft_p50_s``…, ``token_hit_rate``, ``imbalance``,
+``throughput_rps``, ``requests``) mean the same there (:mod:`cachepilot.records.stats`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from cachepilot.records.stats import imbalance, ttft_summary
 from cachepilot.sim.simulator import RunResult
 
 
@@ -21,18 +24,11 @@ def summarize(run: RunResult, ideal: np.ndarray | None = None) -> dict[str, Any]
     assigned = np.array([w["assigned"] for w in workers.values()], dtype=float)
     busy = np.array([w["busy_time"] for w in workers.values()], dtype=float)
 
-    def ratio(x: np.ndarray) -> float:
-        return float(x.max() / x.mean()) if x.size and x.mean() > 0 else float("nan")
-
-    def pct(q: float) -> float:
-        return float(np.percentile(ttft, q)) if ttft.size else float("nan")
-
     out: dict[str, Any] = {
         "requests": len(outs),
         "completed": len(done),
         "rejected": sum(1 for o in outs if o.rejected),
-        "ttft_p50_s": pct(50), "ttft_p90_s": pct(90), "ttft_p99_s": pct(99),
-        "ttft_mean_s": float(ttft.mean()) if ttft.size else float("nan"),
+        **ttft_summary(ttft),
         "throughput_rps": len(done) / makespan if makespan > 0 else float("nan"),
         "throughput_out_tps": (sum(o.output_tokens for o in done) / makespan
                                if makespan > 0 else float("nan")),
@@ -40,8 +36,10 @@ def summarize(run: RunResult, ideal: np.ndarray | None = None) -> dict[str, Any]
                                   if makespan > 0 else float("nan")),
         "token_hit_rate": cached / prompt if prompt else float("nan"),
         "evictions": int(sum(w["evictions"] for w in workers.values())),
-        "imbalance_assigned": ratio(assigned),
-        "imbalance_busy": ratio(busy),
+        # requests per worker, as the load generator counts them; and busy time
+        "imbalance": imbalance(assigned),
+        "imbalance_assigned": imbalance(assigned),
+        "imbalance_busy": imbalance(busy),
         "utilization": {a: round(w["utilization"], 4) for a, w in workers.items()},
         "max_waiting_scraped": int(max((w["max_waiting_scraped"] for w in workers.values()),
                                        default=0)),

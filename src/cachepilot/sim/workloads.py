@@ -19,11 +19,16 @@ Kinds (all parameters in :class:`WorkloadSpec`, defaults documented in docs/simu
   (system prompt, previous user turns and assistant answers), so a session grows its own
   prefix. Open loop: a turn arrives a think time after the previous one.
 - ``trace``: a recorded JSONL trace replayed as is.
+
+Drivers that send real HTTP requests (the load generator, the real-model experiment) turn a
+request's segments into text with :func:`segment_text` / :func:`chat_messages`: each
+segment's words are a pure function of its key too, so the same sharing holds in text.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -92,6 +97,8 @@ class WorkloadSpec:
     turns: Dist = Dist(5, 0.5, 1, 20)
     user_turn: Dist = Dist(0, 0, 32, 256, kind="uniform")
     think_s: float = 8.0
+    # shared_prefix: share of requests whose document is their own (nothing else shares it)
+    p_unique: float = 0.0
     # trace
     path: str = ""
 
@@ -243,6 +250,15 @@ def _shared_prefix(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> l
         fp = _fp(toks.prompt(segs, 1))
         reqs.append(SimRequest(i, float(times[i]), segs, int(out_len[i]), fp,
                                user_start=0, group=f"g{g}"))
+    if spec.p_unique > 0:  # its own generator: the draws above stay what they were
+        rng_u = np.random.default_rng([seed, _KIND_IDS[spec.kind], 7])
+        unique = rng_u.random(n) < spec.p_unique
+        lengths = spec.prefix.draw(rng_u, n)
+        for i in np.flatnonzero(unique):
+            r = reqs[i]
+            segs = ((f"s{seed}u{i}", int(lengths[i])), r.segments[1])
+            reqs[i] = SimRequest(r.id, r.arrival, segs, r.max_tokens,
+                                 _fp(toks.prompt(segs, 0)), user_start=0, group=f"u{i}")
     return reqs
 
 
@@ -287,6 +303,47 @@ def _sessions(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> list[S
         reqs.append(SimRequest(i, t, segs, out, fp, user_start=spec.system_tokens,
                                group=sess, extra={"turn": k}))
     return reqs
+
+
+# -- text -------------------------------------------------------------------------------------
+
+# The one word list prompt text is made of (the load generator, the real-model experiment).
+WORDS = (
+    "the", "of", "and", "to", "in", "is", "for", "on", "with", "as", "by", "at", "from",
+    "that", "this", "be", "are", "it", "an", "or", "was", "kernel", "cache", "block", "prefix",
+    "token", "batch", "queue", "worker", "model", "prompt", "latency", "envoy", "route", "pool",
+    "decode", "prefill", "memory", "schedule", "request", "response", "stream", "gateway",
+    "system", "river", "mountain", "copper", "window", "garden", "silver", "engine", "harbor",
+    "lantern", "violet",
+)
+
+
+def words(rng: random.Random, n: int) -> str:
+    """``n`` words drawn from :data:`WORDS`."""
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def segment_text(key: str, tokens: int, chars_per_token: float = 4.0) -> str:
+    """About ``tokens`` tokens of text (``tokens × chars_per_token`` characters), a pure
+    function of ``key``: segments that share a key share their text."""
+    rng = random.Random(key)
+    n = max(1, round(tokens * chars_per_token))
+    out: list[str] = []
+    size = 0
+    while size <= n:  # the joined words are size - 1 characters long
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n]
+
+
+def chat_messages(req: SimRequest, chars_per_token: float = 4.0) -> list[dict[str, str]]:
+    """A request as chat messages: every segment but the last is the system message (the
+    shared part), the last is the user's."""
+    texts = [segment_text(k, n, chars_per_token) for k, n in req.segments]
+    *shared, own = texts if len(texts) > 1 else ["", *texts]
+    return [{"role": "system", "content": " ".join(shared)},
+            {"role": "user", "content": f"q{req.id}: {own}"}]
 
 
 # -- traces ------------------------------------------------------------------------------------

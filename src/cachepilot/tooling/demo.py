@@ -4,10 +4,12 @@ once round robin and once CachePilot, each on a fresh local stack."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from rich.progress import Progress
 
-from cachepilot.tooling.loadgen import Summary, Workload, run, summarize
+from cachepilot.sim.workloads import Dist, SimRequest, WorkloadSpec, generate
+from cachepilot.tooling.loadgen import chat_body, run, summarize
 from cachepilot.tooling.stack import LocalStack, StackConfig
 
 PHASES = (("round_robin", "round_robin"), ("cachepilot", "priced"))
@@ -15,28 +17,40 @@ PHASES = (("round_robin", "round_robin"), ("cachepilot", "priced"))
 # prompts need (32 × ~4k tokens), more than a third of them do. The regime where placement
 # matters: round robin makes every worker hold every prompt; locality splits them.
 WORKER_KV_BLOCKS = 3072
+MODEL = "sim-llama-8b"
+SEED = 7
+# 32 shared system prompts of 4,000 tokens, each request one of them (uniformly) and a
+# 100-token question; 32 output tokens; Poisson arrivals at 8/s for 30 s.
+WORKLOAD = WorkloadSpec("shared_prefix", rate=8.0, duration=30.0, groups=32,
+                        prefix=Dist(4000), suffix=Dist(100), output=Dist(32))
 
 
-def run_phase(policy: str, workload: Workload, progress: Progress, task_label: str,
-              decision_log: str | None = None) -> tuple[Summary, str]:
-    task = progress.add_task(task_label, total=int(workload.rate * workload.duration_s))
-    config = StackConfig(policy=policy, decision_log=decision_log,
+def requests(spec: WorkloadSpec = WORKLOAD, seed: int = SEED) -> list[SimRequest]:
+    return generate(spec, seed).requests
+
+
+def run_phase(policy: str, reqs: list[SimRequest], progress: Progress, task_label: str,
+              decision_log: str | None = None) -> tuple[dict[str, Any], str]:
+    task = progress.add_task(task_label, total=len(reqs))
+    config = StackConfig(policy=policy, decision_log=decision_log, model=MODEL,
                          worker_args=("--num-blocks", str(WORKER_KV_BLOCKS)))
+    bodies = [chat_body(r, MODEL) for r in reqs]
     with LocalStack(config) as stack:
-        results, wall = asyncio.run(run(stack.url, workload,
+        results, wall = asyncio.run(run(stack.url, [r.arrival for r in reqs], bodies,
                                         lambda done, _n: progress.update(task, completed=done)))
         return summarize(results, wall), str(stack.log_dir)
 
 
-def run_demo(workload: Workload, progress: Progress, decision_log: str | None = None
-             ) -> dict[str, object]:
+def run_demo(spec: WorkloadSpec, progress: Progress, decision_log: str | None = None,
+             seed: int = SEED) -> dict[str, object]:
     """Each phase's summary (and its stack's log directory) by label; CachePilot's decisions
     are recorded in ``decision_log`` if given."""
+    reqs = requests(spec, seed)
     out: dict[str, object] = {}
     for label, policy in PHASES:
         log = decision_log if policy == "priced" else None
-        summary, logs = run_phase(policy, workload, progress, label, log)
-        out[label] = summary.to_dict() | {"logs": logs}
+        summary, logs = run_phase(policy, reqs, progress, label, log)
+        out[label] = summary | {"logs": logs}
     if decision_log:
         out["decision_log"] = decision_log
     return out

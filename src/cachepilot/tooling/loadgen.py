@@ -1,88 +1,53 @@
-"""An OpenAI-style load generator for the local stack: Poisson arrivals of prefix-sharing chat
-requests, streamed, with TTFT measured at the client (first content chunk)."""
+"""An OpenAI-style load generator for the local stack: requests drawn by the simulator's
+workload generator (:func:`cachepilot.sim.workloads.generate`, so the demo's traffic is a
+:class:`~cachepilot.sim.workloads.WorkloadSpec` like any simulated one) rendered as chat
+text, sent open loop at their arrival times, streamed, with TTFT measured at the client
+(first content chunk). :func:`summarize` reports the keys the simulator does."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
-import numpy as np
 import orjson
 
-_WORDS = (
-    "the", "of", "and", "to", "in", "is", "for", "on", "with", "as", "by", "at", "from", "that",
-    "this", "be", "are", "it", "an", "or", "was", "kernel", "cache", "block", "prefix", "token",
-    "batch", "queue", "worker", "model", "prompt", "latency", "envoy", "route", "pool", "decode",
-    "prefill", "memory", "schedule", "request", "response", "stream", "gateway", "system",
-)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Shared-prefix chat traffic: ``groups`` long system documents, each request one of them
-    (uniformly) plus a short unique question."""
-
-    groups: int = 32
-    prefix_chars: int = 16_000  # ≈4k tokens at 4 chars/token
-    suffix_chars: int = 400
-    max_tokens: int = 32
-    rate: float = 8.0  # requests/s, Poisson
-    duration_s: float = 30.0
-    seed: int = 7
-    model: str = "sim-llama-8b"
-
-    def documents(self) -> list[str]:
-        rng = random.Random(self.seed)
-        return [f"[doc {g}] " + _text(rng, self.prefix_chars) for g in range(self.groups)]
-
-
-def _text(rng: random.Random, n: int) -> str:
-    out: list[str] = []
-    size = 0
-    while size < n:
-        w = rng.choice(_WORDS)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[:n]
+from cachepilot.records.stats import imbalance, ttft_summary
+from cachepilot.sim.workloads import SimRequest, chat_messages
 
 
 @dataclass
 class Result:
+    """One request: what the client measured (and, when the caller asks the gateway, what
+    it predicted)."""
+
     ok: bool
     status: int
     ttft_s: float | None = None
     worker: str | None = None
     decision_id: str | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # the worker's own count (usage.prompt_tokens_details)
     error: str | None = None
+    label: str = ""  # the request's group (which shared document), for the caller
+    predicted_hit: bool | None = None
+    predicted_cached_tokens: int | None = None
+
+    @property
+    def measured_hit(self) -> bool:
+        return self.cached_tokens > 0
 
 
-@dataclass
-class Summary:
-    requests: int
-    errors: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    throughput_rps: float
-    cache_hit_rate: float
-    imbalance: float
-    per_worker: dict[str, int] = field(default_factory=dict)
-    decision_ids: int = 0
-
-    def to_dict(self) -> dict[str, object]:
-        return {"requests": self.requests, "errors": self.errors,
-                "ttft_p50_ms": round(self.ttft_p50_ms, 1),
-                "ttft_p99_ms": round(self.ttft_p99_ms, 1),
-                "throughput_rps": round(self.throughput_rps, 2),
-                "cache_hit_rate": round(self.cache_hit_rate, 3),
-                "imbalance": round(self.imbalance, 3), "per_worker": self.per_worker,
-                "decision_ids": self.decision_ids}
+def chat_body(req: SimRequest, model: str, chars_per_token: float = 4.0,
+              **extra: Any) -> dict[str, Any]:
+    """A streamed chat completion for one generated request (``max_tokens`` its output)."""
+    return {"model": model, "stream": True, "max_tokens": req.max_tokens,
+            "stream_options": {"include_usage": True},
+            "messages": chat_messages(req, chars_per_token), **extra}
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, object]
@@ -114,53 +79,50 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
         return Result(ok=False, status=0, error=f"{type(exc).__name__}: {exc}")
 
 
-async def run(url: str, w: Workload, progress: Callable[[int, int], None] | None = None
+async def run(url: str, arrivals: Sequence[float], bodies: Sequence[dict[str, Any]],
+              progress: Callable[[int, int], None] | None = None, timeout_s: float = 300.0
               ) -> tuple[list[Result], float]:
-    """Send the workload open-loop; return results and the wall time from first send to last
-    answer."""
-    rng = random.Random(w.seed + 1)
-    docs = w.documents()
-    n = int(w.rate * w.duration_s)
-    gaps = np.random.default_rng(w.seed).exponential(1.0 / w.rate, n)
-    results: list[Result] = []
-    timeout = aiohttp.ClientTimeout(total=300)
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+    """Send ``bodies[i]`` at ``arrivals[i]`` seconds after the start, open loop; return the
+    results in the same order and the wall time from the start to the last answer."""
+    n = len(bodies)
+    done_count = 0
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks: list[asyncio.Task[Result]] = []
 
-        def done(t: asyncio.Task[Result]) -> None:
-            results.append(t.result())
+        def done(_: asyncio.Task[Result]) -> None:
+            nonlocal done_count
+            done_count += 1
             if progress:
-                progress(len(results), n)
+                progress(done_count, n)
 
         start = time.perf_counter()
-        at = start
-        for i in range(n):
-            at += gaps[i]
-            await asyncio.sleep(max(0.0, at - time.perf_counter()))
-            body = {"model": w.model, "stream": True, "max_tokens": w.max_tokens,
-                    "stream_options": {"include_usage": True},
-                    "messages": [{"role": "system", "content": rng.choice(docs)},
-                                 {"role": "user", "content": f"q{i}: " +
-                                  _text(rng, w.suffix_chars)}]}
+        t0 = arrivals[0] if len(arrivals) else 0.0
+        for at, body in zip(arrivals, bodies, strict=True):
+            await asyncio.sleep(max(0.0, start + at - t0 - time.perf_counter()))
             t = asyncio.create_task(one_request(session, url, body))
             t.add_done_callback(done)
             tasks.append(t)
-        await asyncio.gather(*tasks)
+        results = list(await asyncio.gather(*tasks))
         return results, time.perf_counter() - start
 
 
-def summarize(results: list[Result], wall_s: float) -> Summary:
+def summarize(results: Sequence[Result], wall_s: float) -> dict[str, Any]:
+    """``requests``, ``errors`` (count), ``ttft_p50_s``/``p90``/``p99``/``ttft_mean_s``
+    (seconds), ``throughput_rps``, ``token_hit_rate`` (cached / prompt tokens, as the
+    workers report them), ``imbalance`` (requests of the busiest worker over the mean),
+    ``per_worker`` and ``decision_ids`` (answers that carried one)."""
     ok = [r for r in results if r.ok and r.ttft_s is not None]
-    ttfts = np.array([r.ttft_s for r in ok]) * 1000.0 if ok else np.array([float("nan")])
     per_worker = Counter(r.worker for r in ok if r.worker)
-    counts = list(per_worker.values())
     prompt = sum(r.prompt_tokens for r in ok)
-    return Summary(
-        requests=len(results), errors=len(results) - len(ok),
-        ttft_p50_ms=float(np.percentile(ttfts, 50)), ttft_p99_ms=float(np.percentile(ttfts, 99)),
-        throughput_rps=len(ok) / wall_s if wall_s else 0.0,
-        cache_hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-        imbalance=max(counts) / (sum(counts) / len(counts)) if counts else float("nan"),
-        per_worker=dict(sorted(per_worker.items())),
-        decision_ids=sum(1 for r in ok if r.decision_id))
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        **{k: round(v, 4) for k, v in ttft_summary(r.ttft_s for r in ok).items()},
+        "throughput_rps": round(len(ok) / wall_s, 2) if wall_s else 0.0,
+        "token_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt
+        else float("nan"),
+        "imbalance": round(imbalance(per_worker.values()), 3),
+        "per_worker": dict(sorted(per_worker.items())),
+        "decision_ids": sum(1 for r in ok if r.decision_id),
+    }

@@ -42,7 +42,7 @@ and :mod:`.plots`. The commands are in :mod:`cachepilot.cli`.
 """
 
 from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost_args
-from cachepilot.tooling.llamacpp.experiment import PHASES, Sample, run_experiment, summarize
+from cachepilot.tooling.llamacpp.experiment import PHASES, drive, run_experiment, summarize
 from cachepilot.tooling.llamacpp.stack import LlamaStack
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
@@ -56,26 +56,29 @@ from cachepilot.tooling.llamacpp.worker import (
     server_binary,
     threads_per_worker,
 )
-from cachepilot.tooling.llamacpp.workload import RealWorkload
+from cachepilot.tooling.llamacpp.workload import WORKLOAD, bodies, requests, typical_prompt
 
 __all__ = [
     "CPU_BUDGET",
     "MODEL_NAME",
     "PHASES",
+    "WORKLOAD",
     "Calibration",
     "LlamaCppMissing",
     "LlamaStack",
     "LlamaWorkerSpec",
-    "RealWorkload",
-    "Sample",
+    "bodies",
     "calibrate",
     "cost_args",
     "directory_capacity_blocks",
+    "drive",
     "installed",
     "model_path",
     "prompts_held",
+    "requests",
     "run_experiment",
     "server_binary",
     "summarize",
     "threads_per_worker",
+    "typical_prompt",
 ]

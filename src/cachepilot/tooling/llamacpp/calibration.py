@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from cachepilot.core.cost import CostModel
-from cachepilot.tooling.llamacpp.workload import _words
+from cachepilot.sim.workloads import words
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,9 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, A
         return orjson.loads(resp.read())
 
 
-def calibrate(address: str, words: int = 300, seed: int = 99) -> Calibration:
+def calibrate(address: str, n_words: int = 300, seed: int = 99) -> Calibration:
     """One cold /completion on one worker: prefill and decode speed, and chars per token."""
-    text = "calibration " + _words(random.Random(seed), words)
+    text = "calibration " + words(random.Random(seed), n_words)
     tokens = _post(f"http://{address}/tokenize", {"content": text})["tokens"]
     out = _post(f"http://{address}/completion",
                 {"prompt": text, "n_predict": 8, "cache_prompt": True, "ignore_eos": True})

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cachepilot.tooling.llamacpp.experiment import Sample
+    from cachepilot.tooling.loadgen import Result
 
 
-def plot(phases: dict[str, list[Sample]], path: Path, title: str) -> None:
+def plot(phases: dict[str, list[Result]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,8 +21,8 @@ def plot(phases: dict[str, list[Sample]], path: Path, title: str) -> None:
     labels, data = [], []
     for name, samples in phases.items():
         for pred, tag in ((True, "pred. hit"), (False, "pred. miss")):
-            v = [s.ttft_ms for s in samples if s.ok and s.predicted_hit is pred
-                 and s.ttft_ms is not None]
+            v = [s.ttft_s * 1000.0 for s in samples if s.ok and s.predicted_hit is pred
+                 and s.ttft_s is not None]
             labels.append(f"{name}\n{tag}\n(n={len(v)})")
             data.append(v or [float("nan")])
     ax.boxplot(data, showfliers=True)
@@ -36,7 +36,7 @@ def plot(phases: dict[str, list[Sample]], path: Path, title: str) -> None:
     ax.set_title("TTFT by the gateway's prediction")
     ax = axes[1]
     for name, samples in phases.items():
-        v = sorted(s.ttft_ms for s in samples if s.ok and s.ttft_ms is not None)
+        v = sorted(s.ttft_s * 1000.0 for s in samples if s.ok and s.ttft_s is not None)
         if v:
             ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
     if ax.lines:

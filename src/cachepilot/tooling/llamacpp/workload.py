@@ -1,67 +1,49 @@
-"""The real-model experiment's traffic: shared documents, one-off documents, short questions."""
+"""The real-model experiment's traffic, as a simulator workload: a few shared documents, some
+one-off documents nothing else shares, each followed by a short question; Poisson arrivals,
+streamed chat completions. Rendered as text with the simulator's word list."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
 from typing import Any
 
+from cachepilot.core.request import flatten_messages
+from cachepilot.sim.workloads import Dist, SimRequest, WorkloadSpec, generate
 from cachepilot.tooling.llamacpp.worker import MODEL_NAME
+from cachepilot.tooling.loadgen import chat_body
 
-# -- the workload ---------------------------------------------------------------------------
-_WORDS = (
-    "the", "of", "and", "to", "in", "is", "for", "on", "with", "as", "by", "at", "from",
-    "that", "this", "be", "are", "it", "an", "or", "was", "kernel", "cache", "block", "prefix",
-    "token", "batch", "queue", "worker", "model", "prompt", "latency", "envoy", "route", "pool",
-    "decode", "prefill", "memory", "schedule", "request", "response", "stream", "gateway",
-    "system", "river", "mountain", "copper", "window", "garden", "silver", "engine", "harbor",
-    "lantern", "violet",
-)
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
+# Sized for 2 CPU cores: two shared documents of ~550 tokens (~1.7 s cold at one thread):
+# two single-slot workers hold both once they are partitioned, one worker holds only one, so
+# placement decides the hit rate; 15 % of requests bring a one-off document.
+WORKLOAD = WorkloadSpec("shared_prefix", rate=0.4, groups=2, prefix=Dist(550),
+                        suffix=Dist(22), output=Dist(8), p_unique=0.15)
+REQUESTS = 60
+SEED = 11
+# Gemma 3's tokenizer on this text: about 5.8 UTF-8 bytes per token (calibration measures it).
+CHARS_PER_TOKEN = 5.8
 
 
-@dataclass(frozen=True)
-class RealWorkload:
-    """Sized for 2 CPU cores: a few shared system documents (~550 tokens each, ~1.7 s cold
-    at one thread) each followed by a short unique question, plus one-off documents that
-    nothing else shares. Open-loop Poisson arrivals, streamed chat completions."""
+def requests(spec: WorkloadSpec = WORKLOAD, n: int = REQUESTS, seed: int = SEED
+             ) -> list[SimRequest]:
+    """The first ``n`` arrivals of ``spec`` (drawn over long enough for ``n``)."""
+    return generate(spec.with_(duration=1.5 * n / spec.rate + 10.0), seed).requests[:n]
 
-    requests: int = 60
-    rate: float = 0.4  # requests/s
-    # Shared documents: two single-slot workers hold both once they are partitioned; one
-    # worker holds only one, so placement decides the hit rate.
-    groups: int = 2
-    doc_words: int = 500
-    question_words: int = 20
-    p_unique: float = 0.15  # share of requests with a one-off document
-    max_tokens: int = 8
-    seed: int = 11
 
-    def typical_prompt(self) -> str:
-        """The flattened text of a shared-document request, as the gateway hashes it."""
-        from cachepilot.core.request import flatten_messages
+def label(req: SimRequest) -> str:
+    """``shared-G`` for shared document G, ``unique-I`` for request I's own document."""
+    kind, num = req.group[0], req.group[1:]
+    return f"shared-{num}" if kind == "g" else f"unique-{num}"
 
-        body = next(b for label, b in self.bodies() if label.startswith("shared"))
-        return flatten_messages(body["messages"])
 
-    def bodies(self) -> list[tuple[str, dict[str, Any]]]:
-        """(document label, request body) for each request, the same for every policy."""
-        rng = random.Random(self.seed)
-        docs = [f"[shared doc {g}] " + _words(rng, self.doc_words) for g in range(self.groups)]
-        out = []
-        for i in range(self.requests):
-            if rng.random() < self.p_unique:
-                label, doc = f"unique-{i}", f"[one-off doc {i}] " + _words(rng, self.doc_words)
-            else:
-                g = rng.randrange(self.groups)
-                label, doc = f"shared-{g}", docs[g]
-            body = {"model": MODEL_NAME, "stream": True, "max_tokens": self.max_tokens,
-                    "ignore_eos": True, "stream_options": {"include_usage": True},
-                    "messages": [{"role": "system", "content": doc},
-                                 {"role": "user", "content": f"q{i}: " +
-                                  _words(rng, self.question_words)}]}
-            out.append((label, body))
-        return out
+def body(req: SimRequest) -> dict[str, Any]:
+    return chat_body(req, MODEL_NAME, CHARS_PER_TOKEN, ignore_eos=True)
+
+
+def bodies(reqs: list[SimRequest]) -> list[tuple[str, dict[str, Any]]]:
+    """(document label, request body) for each request, the same for every policy."""
+    return [(label(r), body(r)) for r in reqs]
+
+
+def typical_prompt(reqs: list[SimRequest]) -> str:
+    """The flattened text of a shared-document request, as the gateway hashes it."""
+    first = next(r for r in reqs if r.group.startswith("g"))
+    return flatten_messages(body(first)["messages"])
