@@ -21,6 +21,7 @@ from cachepilot.core import (
     WorkerMetrics,
 )
 from cachepilot.core.cost import parse_weights
+from cachepilot.core.workers import TTFTParams
 from cachepilot.records import Recorder, open_log
 from cachepilot.records.explain import plain_reason, summary
 from cachepilot.records.replay import Replayer, replay, replay_policy
@@ -39,8 +40,7 @@ def record_run(path: Path, policy: str, n: int = 300, seed: int = 7,
     addrs = [f"10.0.0.{i}:8000" for i in range(1, 5)]
     for a in addrs:
         pool.upsert_worker(a)
-    pool.workers[addrs[2]].prefill_ms_per_token = 0.11
-    pool.workers[addrs[2]].queue_ms_per_waiting = 90.0
+    pool.workers[addrs[2]].ttft = TTFTParams(25.0, 0.11, 0.5, 90.0)  # a learned model
     router = Router([pool], id_prefix=policy)
     ids = []
     with Recorder(path) as rec:
@@ -111,7 +111,7 @@ def test_replay_rebuilds_the_inputs_and_decide_reprices_them_exactly(
     """Router.decide on the rebuilt inputs gives back every recorded term, stale, not-ready
     and calibrated workers included: the record holds what the router read."""
     recs = records(logs["priced"])
-    assert any(c["prefill_ms_per_token_override"] for c in recs[0]["candidates"])
+    assert any(c["ttft_params"] for c in recs[0]["candidates"])
     assert any(c["filtered"] == "stale" for r in recs for c in r["candidates"])
     assert any(c["filtered"] == "not_ready" for r in recs for c in r["candidates"])
     rp = Replayer(replay_policy("priced"))
@@ -128,7 +128,7 @@ def test_replay_rebuilds_the_inputs_and_decide_reprices_them_exactly(
     doubled = Replayer(replay_policy("priced"), cost={"prefill_ms_per_token": 0.16}).decide(rec)
     assert doubled is not None
     for c, want in zip(doubled.candidates, rec["candidates"], strict=True):
-        factor = 1.0 if want["prefill_ms_per_token_override"] else 2.0
+        factor = 1.0 if want["ttft_params"] else 2.0
         assert c.prefill_ms == pytest.approx(factor * want["prefill_ms"])
 
 
@@ -247,7 +247,7 @@ def test_simulator_log_replays_and_simulates(tmp_path: Path) -> None:
     from cachepilot.sim.replay_log import simulate_log
 
     wl = sim.generate(sim.WorkloadSpec(rate=15, duration=12), 3)
-    for policy in ("priced", "adaptive"):
+    for policy in ("priced", "least_loaded"):
         path = tmp_path / policy
         with Recorder(path, source="sim") as rec:
             s = sim.Simulator(sim.SimConfig(workers=3, policy=policy))
@@ -256,7 +256,7 @@ def test_simulator_log_replays_and_simulates(tmp_path: Path) -> None:
         recs = records(path)
         assert len(recs) == len(run.outcomes)
         assert all(r["outcome"]["ttft_kind"] == "first_token" for r in recs)
-        assert replay(recs).changed == 0  # adaptive too: its load weight is in the record
+        assert replay(recs).changed == 0  # the learned TTFT models are in the record
     result = simulate_log(recs, policy="round_robin")
     mean = sum(o.ttft_s for o in run.outcomes) / len(run.outcomes)
     # Same arrivals, same policy, same engine model: the simulator reproduces the run.

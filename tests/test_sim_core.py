@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router
+from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate, ideal_ttfts, simulate
 from cachepilot.sim.engine import EngineConfig
 from cachepilot.sim.measures import summarize
@@ -150,7 +151,7 @@ def test_simulator_and_direct_router_choose_the_same_worker():
     pool2 = Pool(pool.spec)
     for addr in pool.workers:
         pool2.upsert_worker(addr)
-    router2 = Router([pool2], id_prefix="replay")
+    router2 = Router([pool2], id_prefix="replay", plugins=[TTFTPredictor()])
     mine: dict[str, object] = {}
     for c in calls:
         if c[0] == "metrics":

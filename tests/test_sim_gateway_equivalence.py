@@ -19,6 +19,7 @@ import pytest
 
 from cachepilot.core import Pool, Router
 from cachepilot.core import router as router_module
+from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.gateway.service import DESTINATION_HEADER, Exchange, Processor
 from cachepilot.records import Recorder, open_log
 from cachepilot.records.replay import replay
@@ -48,8 +49,11 @@ def run_three_drivers(log: Path) -> tuple[Choices, Choices, Choices]:
     pool = Pool(sim.pool.spec)
     for addr in sim.pool.workers:
         pool.upsert_worker(addr)
-    gateway_router = Router([pool])
+    # The gateway learns each worker's TTFT model from streamed first tokens, as the
+    # simulator does from its engines'.
+    gateway_router = Router([pool], plugins=[TTFTPredictor()])
     clock = [0.0]
+    routed_at: dict[str, float] = {}
     gateway_choices: Choices = {}
     with Recorder(log, router=gateway_router) as sink:
         proc = Processor(gateway_router, sink=sink, clock=lambda: clock[0])
@@ -59,18 +63,22 @@ def run_three_drivers(log: Path) -> tuple[Choices, Choices, Choices]:
                 pool.update_metrics(call[1], call[2])
             elif call[0] == "route":
                 _, _, now, d = call
-                clock[0] = now
+                clock[0] = routed_at[d.id] = now
                 gateway_router.next_id = lambda did=d.id: did  # same id → same tie-break
-                raw = orjson.dumps({"model": MODEL, "prompt": prompts[d.id], "max_tokens": 16})
+                raw = orjson.dumps({"model": MODEL, "prompt": prompts[d.id], "max_tokens": 16,
+                                    "stream": True})
                 ex = exchanges[d.id] = Exchange()
                 assert proc.handle(ex, headers("/v1/completions",
                                                content_length=str(len(raw)))) == []
                 out = proc.handle(ex, body(raw))
                 gateway_choices[d.id] = set_headers(out[0])[DESTINATION_HEADER]
                 assert [c.value for c in ex.decision.candidates] == \
-                    [c.value for c in d.candidates]
-            elif call[0] == "first":  # a non-streamed answer's headers are its first token
-                proc.handle(exchanges[call[1]], headers("", response=True))
+                    pytest.approx([c.value for c in d.candidates], rel=1e-9)
+            elif call[0] == "first":  # the first streamed chunk, when the engine made it
+                _, did, ttft_ms = call
+                clock[0] = routed_at[did] + ttft_ms / 1000.0
+                proc.handle(exchanges[did], headers("", response=True))
+                proc.handle(exchanges[did], body(b"data: {}\n\n", eos=False, response=True))
             else:
                 proc.handle(exchanges[call[1]], body(b"{}", eos=True, response=True))
     assert all(w.inflight == 0 for w in pool.workers.values())

@@ -1,5 +1,4 @@
-"""Policies in the simulator: locality vs balance, peer models, the adaptive load weight,
-and the study plumbing."""
+"""Policies in the simulator: locality vs balance, peer models and the study plumbing."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from click.testing import CliRunner
 
 from cachepilot.core import Fingerprint, InferenceRequest, Weights
 from cachepilot.core.decision import Candidate, Decision
-from cachepilot.core.policies import LIVE_POLICIES, AdaptivePriced, Context
+from cachepilot.core.policies import LIVE_POLICIES, Context
 from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.peers import (
@@ -124,23 +123,6 @@ def test_dynamo_cost_and_gie_scores():
                   cand("b", waiting=0, kv=0.0)], ctx(320))
     assert v[0] == pytest.approx(2 * 0 + 2 * 0.5 + 3 * 1.0)
     assert v[1] == pytest.approx(2 * 1 + 2 * 1.0 + 3 * 0.0)
-
-
-def test_adaptive_weight_fits_the_queue_slope():
-    p = AdaptivePriced()
-    for q in (100.0, 200.0, 400.0) * 30:
-        c = cand("a", queue_ms=q)
-        c.prefill_ms = 50.0
-        d = Decision("x", 0, "p", "m", "adaptive", {}, 0, 64, 16, (), [c], "a", 0, "")
-        p.on_first_token(d, 15.0 + 50.0 + 2.5 * q)  # queues cost 2.5× what the model says
-    assert p.load_weight == pytest.approx(2.5, rel=1e-6)
-
-
-def test_adaptive_weight_moves_in_a_run(hotspot):
-    run = simulate(hotspot, SimConfig(policy="adaptive"))
-    ws = [w for _, w in run.router_weights]
-    assert ws[0] == 1.0 and len(set(ws)) > 10
-    assert abs(ws[-1] - 1.0) > 0.05
 
 
 def test_simulate_cli_json():

@@ -1,26 +1,39 @@
-"""The cost model: every term in milliseconds of time to first token (TTFT).
+"""The cost model: the time to first token (TTFT) a request would see on each worker, in ms.
 
+A worker's predicted TTFT for a request is a linear model of what stands between the request
+and its first token there (:class:`Features`)::
+
+    ttft ≈ base + prefill_ms_per_token × (its uncached tokens + prefill queued ahead of it)
+                + ms_per_running × sequences decoding in the batch it joins
+                + ms_per_queued × requests ahead of it the prefill term cannot see
+                + KV pressure
+
+"Prefill queued ahead" is what this router sent there that has not produced a first token
+yet; "requests it cannot see" are waiting requests it did not send (other clients, other
+gateway replicas) and, once the engine's batch is full, every request waiting for a slot.
 Defaults describe a 7–8B model in bf16 on one datacenter GPU (A100/H100 class) under vLLM:
-prefill runs at roughly 10–15k tokens/s (0.08 ms/token), one scheduler step takes ~15 ms,
-and a request already queued delays a newcomer by about one mean prefill-plus-step
-(~150 ms for the 1–2k-token prompts of chat workloads). They are starting points:
-:mod:`cachepilot.core.calibration` fits prefill and queue terms per worker from measured TTFTs.
+prefill at ~12k tokens/s (0.08 ms/token), a ~15 ms scheduler step, ~0.1 ms per decoding
+sequence per step. They are the prior: :mod:`cachepilot.core.predictor` learns each worker's
+parameters (:class:`TTFTParams`) from measured TTFTs.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from cachepilot.core.workers import WorkerMetrics, WorkerState
+from cachepilot.core.workers import TTFTParams, WorkerMetrics, WorkerState
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
     prefill_ms_per_token: float = 0.08
     base_ttft_ms: float = 15.0
+    # A request ahead that the prefill term cannot see delays a newcomer by about one mean
+    # prefill-plus-step (~150 ms for the 1–2k-token prompts of chat workloads).
     queue_ms_per_waiting: float = 150.0
-    # Decode steps of running sequences share the GPU with our prefill.
-    queue_ms_per_running: float = 2.0
+    # Decode steps of running sequences share each step with our prefill: ~0.1 ms per
+    # sequence per step, over the one or two steps a prefill takes.
+    queue_ms_per_running: float = 0.2
     # Above this KV usage, evictions (lost prefixes) and preemptions become likely…
     kv_threshold: float = 0.8
     # …costing up to this much at a full cache (a recompute of a preempted request).
@@ -38,6 +51,12 @@ class CostModel:
 
     def with_(self, **changes: float) -> CostModel:
         return replace(self, **changes)
+
+    @property
+    def ttft(self) -> TTFTParams:
+        """The prior of every worker's TTFT model."""
+        return TTFTParams(self.base_ttft_ms, self.prefill_ms_per_token,
+                          self.queue_ms_per_running, self.queue_ms_per_waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +102,19 @@ def parse_cost(text: str | None) -> dict[str, float]:
 
 
 @dataclass(frozen=True, slots=True)
+class Features:
+    """What stands between a request and its first token on one worker."""
+
+    prefill_tokens: int  # its uncached tokens + prefill this router queued there before it
+    running: int  # sequences in the batch it joins
+    queued: int  # requests ahead of it that the prefill term cannot see
+
+    def vector(self) -> tuple[float, float, float, float]:
+        """(1, prefill tokens, running, queued): the predictor's regressors."""
+        return (1.0, float(self.prefill_tokens), float(self.running), float(self.queued))
+
+
+@dataclass(frozen=True, slots=True)
 class Load:
     """A worker's load as the router believes it, stale metrics already made pessimistic."""
 
@@ -109,12 +141,29 @@ def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
                 kv_usage=m.kv_usage if m.kv_usage is not None else 0.0, stale=False, age_s=age)
 
 
-def queue_ms(load: Load, worker: WorkerState, cost: CostModel) -> float:
-    """Engine queue (waiting requests wait for a batch slot), decode interference of the
-    running batch, and prefill this router sent that has not produced a first token yet."""
-    per_waiting = worker.queue_ms_per_waiting or cost.queue_ms_per_waiting
-    pending = worker.pending_prefill_tokens * prefill_ms_per_token(worker, cost)
-    return load.waiting * per_waiting + load.running * cost.queue_ms_per_running + pending
+def features(load: Load, worker: WorkerState, uncached_tokens: int,
+             cost: CostModel) -> Features:
+    """The request's features on ``worker``. Waiting requests this router sent are in its
+    pending prefill already; the others are counted as queued. Once the batch is full (its
+    size known), every waiting request and this one wait for a slot."""
+    cap = cost.max_batch or worker.batch_cap_seen
+    if cap and load.running >= cap:
+        queued = load.waiting + 1
+    else:
+        queued = max(0, load.waiting - worker.pending_requests)
+    return Features(uncached_tokens + worker.pending_prefill_tokens, load.running, queued)
+
+
+def ttft_params(worker: WorkerState, cost: CostModel) -> TTFTParams:
+    """The worker's learned TTFT model, or the cost model's prior."""
+    return worker.ttft or cost.ttft
+
+
+def queue_ms(f: Features, uncached_tokens: int, p: TTFTParams) -> float:
+    """Everything ahead of the request: queued prefill, decode interference, unseen queue."""
+    ahead = f.prefill_tokens - uncached_tokens
+    return (ahead * p.prefill_ms_per_token + f.running * p.ms_per_running
+            + f.queued * p.ms_per_queued)
 
 
 def kv_pressure_ms(load: Load, new_blocks: int, worker: WorkerState, cost: CostModel) -> float:
@@ -128,7 +177,3 @@ def kv_pressure_ms(load: Load, new_blocks: int, worker: WorkerState, cost: CostM
         return 0.0
     x = min(usage, 1.5) - cost.kv_threshold
     return cost.kv_penalty_ms * (x / (1.0 - cost.kv_threshold)) ** 2
-
-
-def prefill_ms_per_token(worker: WorkerState, cost: CostModel) -> float:
-    return worker.prefill_ms_per_token or cost.prefill_ms_per_token

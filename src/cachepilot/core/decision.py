@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cachepilot.core.request import RequestError
-from cachepilot.core.workers import WorkerMetrics
+from cachepilot.core.workers import TTFTParams, WorkerMetrics
 
 
 class RoutingError(RequestError):
@@ -22,6 +22,7 @@ class Candidate:
     matched_tokens: int = 0
     waiting: int = 0
     running: int = 0
+    queued: int = 0  # requests ahead that the prefill term cannot see (a feature)
     inflight: int = 0
     kv_usage: float = 0.0
     metrics_age_ms: float | None = None
@@ -35,10 +36,10 @@ class Candidate:
     # The worker's state as priced, so replay can rebuild it and call the same decide():
     ready: bool = True
     metrics: WorkerMetrics | None = None  # the scrape in force (its own clock: scraped_at)
+    pending_requests: int = 0
     pending_prefill_tokens: int = 0
     batch_cap_seen: int = 0
-    prefill_ms_per_token_override: float | None = None  # calibrated (None: the pool's)
-    queue_ms_per_waiting_override: float | None = None
+    ttft_params: TTFTParams | None = None  # learned (None: the pool's prior)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

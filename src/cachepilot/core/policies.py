@@ -4,14 +4,13 @@ instead of all of them landing on the first one (herding)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from cachepilot.core.cost import Weights
-from cachepilot.core.decision import Candidate, Decision
+from cachepilot.core.decision import Candidate
 from cachepilot.core.fingerprint import Fingerprint
 from cachepilot.core.lifecycle import Plugin
 from cachepilot.core.request import InferenceRequest
@@ -83,80 +82,26 @@ class OverlapOnly(Policy):
 
 
 class Priced(Policy):
-    """CachePilot: prefill saved by the cache, minus queue wait and KV pressure, all in ms.
-    With unit weights, the maximum is the worker with the lowest predicted TTFT."""
+    """CachePilot's default: the worker with the lowest predicted TTFT for this request.
+
+    The predicted TTFT already holds every effect in ms: the prefill a cached prefix saves
+    (only uncached tokens are prefilled), the queue ahead, decode interference and KV
+    pressure. Weights scale the prefill, load and KV terms (1.0 everywhere: trust the ms)."""
 
     name = "priced"
     tie_tolerance = 0.5
 
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         w = ctx.weights
-        return [w.prefill * c.saved_ms - w.load * c.queue_ms - w.kv * c.kv_ms for c in cands]
-
-
-class AdaptivePriced(Policy):
-    """CachePilot's priced policy with a load weight learned online, so it needs no tuning.
-
-    The router predicts TTFT as ``base + prefill + queue + kv`` (ms). Each first token
-    gives a measured TTFT; the part of it the queue term should explain is
-    ``residual = ttft - base - prefill - kv`` of the chosen worker. The weight is the
-    exponentially weighted least-squares slope of residual on the predicted queue term,
-    ``w = Σ λ^k q·r / Σ λ^k q²`` (λ = ``decay`` per observation), clipped to
-    [``w_min``, ``w_max``]: when queues cost more than the model says, the load penalty
-    grows; when they cost less, locality gets more say. Decisions whose predicted queue is
-    below ``min_queue_ms`` carry no information about the slope and are skipped.
-    """
-
-    name = "adaptive"
-    tie_tolerance = 0.5
-
-    def __init__(self, initial: float = 1.0, decay: float = 0.99, w_min: float = 0.05,
-                 w_max: float = 16.0, min_queue_ms: float = 1.0, base_ms: float = 15.0) -> None:
-        self.load_weight = initial
-        self.decay = decay
-        self.w_min, self.w_max = w_min, w_max
-        self.min_queue_ms = min_queue_ms
-        self.base_ms = base_ms
-        self._sxy = 0.0
-        self._sxx = 0.0
-        self.updates = 0
-
-    def bind(self, pool: Any) -> None:
-        self.base_ms = pool.spec.cost.base_ttft_ms
-
-    def state(self) -> dict[str, float]:
-        return {"load_weight": self.load_weight}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        lw = state.get("load_weight")
-        if isinstance(lw, int | float):
-            self.load_weight = float(lw)
-
-    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
-        w = ctx.weights
-        lw = self.load_weight
-        return [w.prefill * c.saved_ms - lw * c.queue_ms - w.kv * c.kv_ms for c in cands]
-
-    def on_first_token(self, decision: Decision, ttft_ms: float | None) -> None:
-        if ttft_ms is None:
-            return
-        c = decision.winner
-        q = c.queue_ms
-        if q < self.min_queue_ms:
-            return
-        r = ttft_ms - self.base_ms - c.prefill_ms - c.kv_ms
-        self._sxy = self.decay * self._sxy + q * r
-        self._sxx = self.decay * self._sxx + q * q
-        self.updates += 1
-        if self._sxx > 0:
-            w = self._sxy / self._sxx
-            self.load_weight = min(self.w_max, max(self.w_min, w)) if math.isfinite(w) else 1.0
+        dp, dl, dk = w.prefill - 1.0, w.load - 1.0, w.kv - 1.0
+        return [-(c.predicted_ttft_ms + dp * c.prefill_ms + dl * c.queue_ms + dk * c.kv_ms)
+                for c in cands]
 
 
 # The policies a live pool can run: the gateway drives every hook they have. The simulator's
 # peer models (cachepilot.sim.peers) are a separate registry and never valid for a live pool.
 LIVE_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({
-    p.name: p for p in (RoundRobin, LeastLoaded, OverlapOnly, Priced, AdaptivePriced)
+    p.name: p for p in (RoundRobin, LeastLoaded, OverlapOnly, Priced)
 })
 
 

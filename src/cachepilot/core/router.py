@@ -11,9 +11,10 @@ from cachepilot.core.cost import (
     CostModel,
     Weights,
     effective_load,
+    features,
     kv_pressure_ms,
-    prefill_ms_per_token,
     queue_ms,
+    ttft_params,
 )
 from cachepilot.core.decision import Candidate, Decision, RoutingError
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer, fingerprint
@@ -79,6 +80,7 @@ class Router:
         worker.assigned += 1
         decision.uncached_tokens = fp.tokens - decision.winner.matched_tokens
         decision.prefill_pending = True
+        worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
         pool.directory.insert(decision.chosen, fp.hashes)
         pool.policy.on_routed(decision, pool)
@@ -99,23 +101,23 @@ class Router:
             load = effective_load(w, now, cost)
             blocks = matches.get(addr, 0)
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
-            per_token = prefill_ms_per_token(w, cost)
+            uncached = fp.tokens - matched_tokens
+            p = ttft_params(w, cost)
+            f = features(load, w, uncached, cost)
             c = Candidate(
                 worker=addr, matched_blocks=blocks, matched_tokens=matched_tokens,
-                waiting=load.waiting, running=load.running, inflight=w.inflight,
-                kv_usage=load.kv_usage,
+                waiting=load.waiting, running=load.running, queued=f.queued,
+                inflight=w.inflight, kv_usage=load.kv_usage,
                 metrics_age_ms=None if load.age_s is None else load.age_s * 1000.0,
-                saved_ms=matched_tokens * per_token,
-                prefill_ms=(fp.tokens - matched_tokens) * per_token,
-                queue_ms=queue_ms(load, w, cost),
+                saved_ms=matched_tokens * p.prefill_ms_per_token,
+                prefill_ms=uncached * p.prefill_ms_per_token,
+                queue_ms=queue_ms(f, uncached, p),
                 kv_ms=kv_pressure_ms(load, fp.blocks - blocks, w, cost),
-                ready=w.ready, metrics=w.metrics,
+                ready=w.ready, metrics=w.metrics, pending_requests=w.pending_requests,
                 pending_prefill_tokens=w.pending_prefill_tokens,
-                batch_cap_seen=w.batch_cap_seen,
-                prefill_ms_per_token_override=w.prefill_ms_per_token,
-                queue_ms_per_waiting_override=w.queue_ms_per_waiting,
+                batch_cap_seen=w.batch_cap_seen, ttft_params=w.ttft,
             )
-            c.predicted_ttft_ms = cost.base_ttft_ms + c.prefill_ms + c.queue_ms + c.kv_ms
+            c.predicted_ttft_ms = p.base_ms + c.prefill_ms + c.queue_ms + c.kv_ms
             if not w.ready:
                 c.eligible, c.filtered = False, "not_ready"
             elif load.stale:
@@ -193,6 +195,7 @@ class Router:
         pool = self.pools.get(decision.pool)
         w = None if pool is None else pool.workers.get(decision.chosen)
         if w is not None:
+            w.pending_requests = max(0, w.pending_requests - 1)
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
         return True
 

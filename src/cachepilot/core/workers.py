@@ -19,6 +19,20 @@ class WorkerMetrics:
     scraped_at: float = 0.0  # caller's clock
 
 
+@dataclass(frozen=True, slots=True)
+class TTFTParams:
+    """One worker's TTFT model (see :mod:`cachepilot.core.cost`), all in ms."""
+
+    base_ms: float
+    prefill_ms_per_token: float
+    ms_per_running: float
+    ms_per_queued: float
+
+    def predict(self, x: tuple[float, float, float, float]) -> float:
+        return (self.base_ms * x[0] + self.prefill_ms_per_token * x[1]
+                + self.ms_per_running * x[2] + self.ms_per_queued * x[3])
+
+
 @dataclass(slots=True)
 class WorkerState:
     """A registered worker. ``inflight`` counts requests this router sent that have not
@@ -28,16 +42,16 @@ class WorkerState:
     ready: bool = True
     metrics: WorkerMetrics | None = None
     inflight: int = 0
-    # Uncached prompt tokens of requests sent here whose first token has not come back:
-    # prefill work ahead of a newcomer that no scrape has seen yet.
+    # Requests sent here whose first token has not come back, and their uncached prompt
+    # tokens: prefill work ahead of a newcomer that no scrape has seen yet.
+    pending_requests: int = 0
     pending_prefill_tokens: int = 0
     assigned: int = 0
     # Largest running count seen while requests waited: the engine's batch size, learned.
     batch_cap_seen: int = 0
     scrape_error: str | None = None
-    # Online calibration (cachepilot.core.calibration) may set per-worker cost parameters.
-    prefill_ms_per_token: float | None = None
-    queue_ms_per_waiting: float | None = None
+    # This worker's learned TTFT model (cachepilot.core.predictor); None: the pool's prior.
+    ttft: TTFTParams | None = None
     labels: dict[str, str] = field(default_factory=dict)
 
     def metrics_age(self, now: float) -> float | None:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cachepilot.core.calibration import Calibrator
+from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.router import Router
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
 from cachepilot.gateway.scrape import Scraper
@@ -45,7 +45,7 @@ class GatewayConfig:
     options: GatewayOptions | None = None
     grace_s: float = 5.0
     decision_log: str | None = None  # record every decision here (LMDB directory)
-    calibrate: bool = True  # fit per-worker prefill and queue costs to measured TTFTs
+    calibrate: bool = True  # learn each worker's TTFT model from measured first tokens
 
 
 class Gateway:
@@ -60,9 +60,9 @@ class Gateway:
                                       capture_prompts=options.capture_prompts
                                       ) if sink is None else None
         self.sink: DecisionSink = sink or self.recorder  # type: ignore[assignment]
-        self.calibrator = Calibrator() if self.config.calibrate else None
-        if self.calibrator is not None:
-            router.add_plugin(self.calibrator)
+        self.predictor = TTFTPredictor() if self.config.calibrate else None
+        if self.predictor is not None:
+            router.add_plugin(self.predictor)
         self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
                                    options=options)
         self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
@@ -141,7 +141,7 @@ class Gateway:
         app.router.add_get("/workers", self._workers)
         app.router.add_get("/pools", self._pools)
         app.router.add_get("/decisions/{id}", self._decision)
-        app.router.add_get("/calibration", self._calibration)
+        app.router.add_get("/predictor", self._predictor)
         return app
 
     async def _healthz(self, _: web.Request) -> web.Response:
@@ -189,10 +189,12 @@ class Gateway:
             return web.json_response({"error": "no such decision"}, status=404)
         return web.json_response({"record": rec, "explanation": summary(rec)})
 
-    async def _calibration(self, _: web.Request) -> web.Response:
-        if self.calibrator is None:
-            return web.json_response({"error": "calibration is off"}, status=404)
-        return web.json_response(self.calibrator.estimates())
+    async def _predictor(self, _: web.Request) -> web.Response:
+        """Each worker's learned TTFT model and the predictor's recent accuracy."""
+        if self.predictor is None:
+            return web.json_response({"error": "learning is off (--no-calibrate)"}, status=404)
+        return web.json_response({"workers": self.predictor.estimates(),
+                                  "accuracy": self.predictor.accuracy()})
 
 
 async def serve(gateway: Gateway, ready: Callable[[Gateway], None] | None = None) -> None:

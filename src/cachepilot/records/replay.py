@@ -77,9 +77,8 @@ class Replayer:
             pool.workers[c.worker] = WorkerState(
                 address=c.worker, ready=c.ready, metrics=c.metrics, inflight=c.inflight,
                 pending_prefill_tokens=c.pending_prefill_tokens,
-                batch_cap_seen=c.batch_cap_seen,
-                prefill_ms_per_token=c.prefill_ms_per_token_override,
-                queue_ms_per_waiting=c.queue_ms_per_waiting_override)
+                pending_requests=c.pending_requests, batch_cap_seen=c.batch_cap_seen,
+                ttft=c.ttft_params)
             pool.directory.add_worker(c.worker)
             pool.directory.insert(c.worker, hashes[:c.matched_blocks])
         self.router.pools = {pool.name: pool}

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachepilot.core.decision import Candidate, Decision
-from cachepilot.core.workers import WorkerMetrics
+from cachepilot.core.workers import TTFTParams, WorkerMetrics
 
 # 2: candidates carry the worker state they were priced from (replay calls Router.decide);
 # outcomes name their TTFT with ttft_kind. Logs of schema 1 can still be read and explained.
@@ -46,6 +46,7 @@ _V1_TTFT_KIND = {"stream": "first_token", "sim": "first_token", "body": "first_b
 
 CANDIDATE_FIELDS = tuple(Candidate.__dataclass_fields__)
 METRICS_FIELDS = tuple(WorkerMetrics.__dataclass_fields__)
+PARAMS_FIELDS = tuple(TTFTParams.__dataclass_fields__)
 
 
 def hash_hex(h: int) -> str:
@@ -67,8 +68,9 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
     cands = []
     for c in decision.candidates:
         d = {f: getattr(c, f) for f in CANDIDATE_FIELDS}
-        m = c.metrics
+        m, p = c.metrics, c.ttft_params
         d["metrics"] = None if m is None else {f: getattr(m, f) for f in METRICS_FIELDS}
+        d["ttft_params"] = None if p is None else {f: getattr(p, f) for f in PARAMS_FIELDS}
         cands.append(d)
     winner = next((c for c in decision.candidates if c.worker == decision.chosen), None)
     rec: dict[str, Any] = {
@@ -161,10 +163,13 @@ def record_to_candidates(record: Mapping[str, Any]) -> list[Candidate]:
     """Rebuild the Candidate objects a record was made from (unknown keys ignored)."""
     out = []
     for d in record["candidates"]:
-        c = Candidate(**{f: d[f] for f in CANDIDATE_FIELDS if f in d and f != "metrics"})
-        m = d.get("metrics")
+        c = Candidate(**{f: d[f] for f in CANDIDATE_FIELDS
+                         if f in d and f not in ("metrics", "ttft_params")})
+        m, p = d.get("metrics"), d.get("ttft_params")
         if m is not None:
             c.metrics = WorkerMetrics(**{f: m[f] for f in METRICS_FIELDS if f in m})
+        if p is not None:
+            c.ttft_params = TTFTParams(**{f: p[f] for f in PARAMS_FIELDS})
         out.append(c)
     return out
 

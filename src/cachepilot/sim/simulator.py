@@ -38,6 +38,7 @@ from cachepilot.core import (
 from cachepilot.core.lifecycle import Outcome as RequestOutcome
 from cachepilot.core.lifecycle import Plugin
 from cachepilot.core.policies import Policy, make_policy
+from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.sim.peers import SIM_POLICIES
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
@@ -58,6 +59,8 @@ class SimConfig:
     scrape_interval_s: float = 0.1
     # Stop simulating this long after the last arrival (None: drain every request).
     drain_limit_s: float | None = None
+    # Learn each worker's TTFT model from the engines' first tokens, as the gateway does.
+    learn: bool = True
 
 
 @dataclass(slots=True)
@@ -71,6 +74,7 @@ class Outcome:
     output_tokens: int
     cached_tokens: int = 0  # the engine's real count, not the router's prediction
     ttft_s: float | None = None
+    predicted_ttft_s: float | None = None  # the router's prediction for the chosen worker
     first_token_at: float | None = None
     finished_at: float | None = None
     rejected: str | None = None  # RoutingError code when no worker took it
@@ -98,7 +102,6 @@ class RunResult:
     start: float
     wall_s: float
     events: int
-    router_weights: list[tuple[float, float]] = field(default_factory=list)  # (t, load weight)
 
 
 class Simulator:
@@ -116,6 +119,9 @@ class Simulator:
                         capacity_blocks=config.engine.num_blocks)
         self.policy = policy or make_policy(config.policy, SIM_POLICIES)
         self.pool = Pool(spec, policy=self.policy)
+        self.predictor = TTFTPredictor() if config.learn else None
+        if self.predictor is not None:
+            plugins = (self.predictor, *plugins)
         self.router = Router([self.pool], id_prefix="sim", plugins=plugins)
         self.workers: dict[str, _Worker] = {}
         for i in range(config.workers):
@@ -151,7 +157,6 @@ class Simulator:
                    if isinstance(workload, Workload) else {"kind": "list"})
         wall0 = _time.perf_counter()
         outcomes: list[Outcome] = []
-        weights_trace: list[tuple[float, float]] = []
         if not reqs:
             return RunResult(self.cfg, wl_info, [], self._worker_stats(0.0), 0.0, 0.0,
                              0.0, 0)
@@ -193,9 +198,7 @@ class Simulator:
                     if self.on_decision is not None:
                         self.on_decision(None, out)
                     continue
-                lw = d.extra.get("load_weight")  # set by the router for adaptive policies
-                if lw is not None:
-                    weights_trace.append((t, lw))
+                out.predicted_ttft_s = d.winner.predicted_ttft_ms / 1000.0
                 out.worker = d.chosen
                 w = self.workers[d.chosen]
                 w.assigned += 1
@@ -235,8 +238,7 @@ class Simulator:
                   default=start)
         outcomes.sort(key=lambda o: o.request_id)
         return RunResult(self.cfg, wl_info, outcomes, self._worker_stats(end - start),
-                         end - start, start, _time.perf_counter() - wall0, events,
-                         weights_trace)
+                         end - start, start, _time.perf_counter() - wall0, events)
 
     def _start_step(self, w: _Worker, now: float) -> None:
         res = w.engine.step(now)

@@ -1,0 +1,133 @@
+"""The TTFT predictor: robust online recovery of each worker's TTFT model, and its accuracy."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router, WorkerMetrics
+from cachepilot.core.cost import CostModel
+from cachepilot.core.predictor import PredictorConfig, TTFTPredictor, WorkerFit
+from cachepilot.core.workers import TTFTParams
+
+TRUE = TTFTParams(base_ms=60.0, prefill_ms_per_token=0.2, ms_per_running=1.5,
+                  ms_per_queued=150.0)
+
+
+def synthetic(fit: WorkerFit, cfg: PredictorConfig, n: int, *, truth: TTFTParams = TRUE,
+              outliers: float = 0.0, seed: int = 1, queued: bool = True) -> None:
+    rng = random.Random(seed)
+    for _ in range(n):
+        x = (1.0, float(rng.randint(50, 4000)), float(rng.randint(0, 40)),
+             float(rng.randint(0, 6) if queued else 0))
+        y = truth.predict(x) + rng.gauss(0, 5.0)
+        if rng.random() < outliers:
+            y += rng.choice((3000.0, 10_000.0))  # a stall: seconds, not milliseconds
+        fit.update(x, y, cfg)
+
+
+def test_fit_recovers_every_parameter_with_its_intercept_from_wrong_starts() -> None:
+    """A constant the features leave out (HTTP, Envoy, tokenisation) lands in the intercept,
+    not in the slopes: the slopes come back unbiased from priors off by 10× either way."""
+    cfg = PredictorConfig()
+    for prior in (TTFTParams(15.0, 0.02, 0.2, 1500.0), TTFTParams(15.0, 2.0, 0.02, 15.0)):
+        fit = WorkerFit.start(prior, cfg)
+        synthetic(fit, cfg, 1500)
+        got = fit.params()
+        assert got.prefill_ms_per_token == pytest.approx(0.2, rel=0.02)
+        assert got.ms_per_queued == pytest.approx(150.0, rel=0.03)
+        assert got.ms_per_running == pytest.approx(1.5, abs=0.3)
+        assert got.base_ms == pytest.approx(60.0, abs=8.0)
+
+
+def test_fit_is_robust_to_outliers() -> None:
+    cfg = PredictorConfig()
+    prior = CostModel().ttft
+    fit = WorkerFit.start(prior, cfg)
+    synthetic(fit, cfg, 1500, outliers=0.05, seed=3)
+    assert fit.theta[1] == pytest.approx(0.2, rel=0.05)
+    assert fit.theta[3] == pytest.approx(150.0, rel=0.1)
+    assert fit.outliers >= 50
+    # Plain least squares (an enormous Huber threshold) is dragged far off by the same data.
+    naive_cfg = PredictorConfig(huber_k=1e9)
+    naive = WorkerFit.start(prior, naive_cfg)
+    synthetic(naive, naive_cfg, 1500, outliers=0.05, seed=3)
+    assert abs(naive.theta[1] - 0.2) > 3 * abs(fit.theta[1] - 0.2)
+
+
+def test_fit_is_bounded_and_keeps_its_prior_where_the_data_says_nothing() -> None:
+    cfg = PredictorConfig(upper=(10_000.0, 1.0, 100.0, 500.0))
+    fit = WorkerFit.start(CostModel().ttft, cfg)
+    synthetic(fit, cfg, 300, truth=TTFTParams(60.0, 40.0, 1.0, 10_000.0))  # absurd hardware
+    assert 0.9 < fit.theta[1] <= 1.0 and 400.0 < fit.theta[3] <= 500.0  # pinned at the bounds
+    idle = WorkerFit.start(CostModel().ttft, cfg)
+    synthetic(idle, cfg, 2000, queued=False)
+    assert idle.theta[3] == CostModel().queue_ms_per_waiting  # never excited: kept
+    assert idle.p[3][3] <= idle.prior_var[3] * (1 + 1e-9)  # and its variance is capped
+
+
+def test_the_plugin_learns_a_workers_model_after_warmup_and_scores_itself() -> None:
+    pool = Pool(PoolSpec())
+    pool.upsert_worker("w1:8000")
+    predictor = TTFTPredictor(PredictorConfig(warmup=10))
+    router = Router([pool], id_prefix="c", plugins=[predictor])
+    rng = random.Random(5)
+    w = pool.workers["w1:8000"]
+    truth = TTFTParams(40.0, 0.3, 0.0, 80.0)
+    for i in range(400):
+        waiting = rng.randint(0, 3)
+        pool.update_metrics("w1:8000", WorkerMetrics(waiting=waiting, running=0,
+                                                      scraped_at=float(i)))
+        d = router.route(InferenceRequest(model="m", prompt=f"{i} " * rng.randint(100, 3000)),
+                         now=float(i))
+        if i < 9:
+            assert w.ttft is None  # the prior until warm-up
+        c = d.winner
+        router.first_token(d, truth.predict((1.0, d.uncached_tokens, 0.0, c.queued)))
+        router.release(d)
+    assert predictor.observe("unknown", 10.0) is None
+    assert w.ttft is not None
+    assert w.ttft.prefill_ms_per_token == pytest.approx(0.3, rel=0.05)
+    assert w.ttft.ms_per_queued == pytest.approx(80.0, rel=0.1)
+    assert w.ttft.base_ms == pytest.approx(40.0, abs=10.0)
+    assert predictor.estimates()["w1:8000"]["observations"] == 400
+    acc = predictor.accuracy()
+    assert acc["all"]["n"] == 400 and acc["workers"]["w1:8000"]["n"] == 400
+    # The recent window was predicted after the model had learned: errors are small.
+    assert acc["all"]["rel_error_p50"] < 0.05
+
+
+def test_a_request_that_never_answers_teaches_nothing() -> None:
+    pool = Pool(PoolSpec())
+    pool.upsert_worker("w1:8000")
+    pool.update_metrics("w1:8000", WorkerMetrics(scraped_at=0.0))
+    predictor = TTFTPredictor()
+    router = Router([pool], plugins=[predictor])
+    d = router.route(InferenceRequest(model="m", prompt="x " * 500), now=0.0)
+    router.release(d)  # failed before its first token
+    router.first_token(d, 10.0)  # a late report after the end changes nothing
+    assert predictor.accuracy()["all"]["n"] == 0 and predictor.fits["w1:8000"].n == 0
+
+
+TRUE_PREFILL = {"10.0.0.1:8000": 0.2, "10.0.0.2:8000": 0.05, "10.0.0.3:8000": 0.12}
+
+
+def test_the_simulator_learns_each_engines_speed_and_predicts_within_15_percent() -> None:
+    """Three different GPUs; the router starts with the same, wrong, beliefs about each."""
+    from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate
+    from cachepilot.sim.engine import Engine, EngineConfig
+
+    s = Simulator(SimConfig(workers=3))
+    for addr, prefill in TRUE_PREFILL.items():
+        s.workers[addr].engine = Engine(EngineConfig(prefill_ms_per_token=prefill,
+                                                     max_batch=12))
+    run = s.run(generate(WorkloadSpec(rate=10, duration=120), 5))
+    assert s.predictor is not None
+    est = s.predictor.estimates()
+    for addr, truth in TRUE_PREFILL.items():
+        assert est[addr]["prefill_ms_per_token"] == pytest.approx(truth, rel=0.3), addr
+    late = run.outcomes[len(run.outcomes) // 2:]
+    rel = [abs(o.ttft_s - o.predicted_ttft_s) / o.ttft_s for o in late if o.ttft_s]
+    assert float(np.median(rel)) < 0.15
