@@ -25,6 +25,8 @@ from cachepilot.records.schema import (
 )
 from cachepilot.records.store import Store
 
+from conftest import until
+
 MARKER = "ZEBRA-QUOKKA-4417 is the secret prompt marker"
 
 
@@ -137,7 +139,8 @@ def test_records_survive_a_killed_writer(tmp_path: Path) -> None:
     """SIGKILL the writing process mid-stream: every record it saw committed is there,
     every record there is whole, and what is there is a gap-free prefix of what it wrote."""
     root = str(Path(__file__).resolve().parent.parent)
-    script = _KILLED_WRITER.format(paths=[root])
+    # tests/ too: this module imports conftest's helpers, as pytest's sys.path allows.
+    script = _KILLED_WRITER.format(paths=[root, str(Path(root) / "tests")])
     path = tmp_path / "log"
     proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE,
                             text=True, cwd=root)
@@ -148,8 +151,14 @@ def test_records_survive_a_killed_writer(tmp_path: Path) -> None:
             committed = int(line.split()[1])
             if committed >= 500:
                 break
-        # keep writing for a moment so the kill lands mid-batch
-        time.sleep(0.05)
+        # Kill it mid-round: once the log holds records beyond the last commit it reported,
+        # it is writing a round it has not committed yet.
+        reader = open_log(path)
+        try:
+            until(lambda: len(reader) > committed, timeout=30,
+                  what=f"the writer storing records beyond the {committed} it committed")
+        finally:
+            reader.close()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)

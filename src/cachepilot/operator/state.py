@@ -1,0 +1,58 @@
+"""What the operator remembers per CachePilotPool, shared by its parts.
+
+Why plain mutable records: every part (reconciling, scraping, status, Events) runs on the
+gateway's event loop, so they share these objects without locks, and each part touches
+only its own fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachepilot.core import Pool
+from cachepilot.operator.spec import InvalidSpec, PoolConfig
+
+# One logger name for all the controller's parts: the gateway's log lines show the name,
+# and they read "cachepilot.operator.controller" as they did before the split.
+log = logging.getLogger("cachepilot.operator.controller")
+
+
+@dataclass(slots=True)
+class Member:
+    """A selected pod with an address: a worker of the pool (ready or not)."""
+
+    pod: str
+    address: str
+    scrape_url: str
+    ready: bool
+
+
+@dataclass(slots=True)
+class PoolState:
+    """One CachePilotPool as this replica sees it: spec, router pool, members, status."""
+
+    name: str
+    uid: str
+    body_ref: dict[str, str]  # for Events' involvedObject
+    generation: int = 0
+    config: PoolConfig | None = None  # last valid spec (kept while a newer one is invalid)
+    error: InvalidSpec | None = None  # the newest spec's problem, if any
+    pool: Pool | None = None  # the router's pool, once a valid spec was seen
+    members: dict[str, Member] = field(default_factory=dict)  # pod name → member
+    selected: set[str] = field(default_factory=set)  # pods the selector matches
+    unresolved: set[str] = field(default_factory=set)  # selected, but no port/IP yet
+    task: asyncio.Task[None] | None = None
+    last_status: dict[str, Any] | None = None
+    last_patch_at: float = float("-inf")
+    transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # type → (st, time)
+    ready_reason: str | None = None
+    warned_generation: int | None = None
+
+
+def rfc3339(t: float) -> str:
+    """Kubernetes' timestamp format (seconds, UTC, ``Z``) for a wall-clock time."""
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
