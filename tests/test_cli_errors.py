@@ -54,11 +54,11 @@ def test_simulate_trace_in_the_wrong_format(tmp_path: Path) -> None:
     csv = tmp_path / "trace.csv"
     csv.write_text("t,prompt\n0.1,hello\n")
     one_line_error(run("simulate", "--workload", "trace", "--trace", str(csv)),
-                   "--trace", "not JSON")
+                   "--trace", "not a JSON object")
     no_time = tmp_path / "trace.jsonl"
     no_time.write_text('{"segments": [["a", 16]]}\n')
     one_line_error(run("simulate", "--workload", "trace", "--trace", str(no_time)),
-                   "--trace", "'t'")
+                   "--trace", "no known trace format")
     one_line_error(run("simulate", "--workload", "trace"), "--trace")
 
 

@@ -15,9 +15,9 @@ import pytest
 import yaml
 from test_crd_schema import validate_pool
 
+from cachepilot.cli.worker import sim_worker_cmd
 from cachepilot.operator import crd
 from cachepilot.operator.spec import parse_pool, pod_view, resolve_port
-from cachepilot.tooling.sim_worker import sim_worker_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))

@@ -56,7 +56,7 @@ def test_record_roundtrip_and_outcome_merge(tmp_path: Path) -> None:
     with Recorder(tmp_path / "log") as rec:
         for d in decisions:
             assert rec.decision(d, pool)
-        rec.outcome(decisions[3].id, status=200, ttft_ms=41.5, first_byte="stream")
+        rec.outcome(decisions[3].id, status=200, ttft_ms=41.5, ttft_kind="first_token")
         rec.outcome(decisions[3].id, cached_tokens=0, completed_at=9.5, completion_tokens=12)
         assert rec.flush()
         got = rec.get(decisions[3].id)  # read through the writer's own environment
@@ -70,7 +70,7 @@ def test_record_roundtrip_and_outcome_merge(tmp_path: Path) -> None:
     assert r3["schema_version"] == SCHEMA_VERSION
     assert r3["chosen"] == d3.chosen and r3["margin_ms"] == d3.margin_ms
     assert [hash_int(h) for h in r3["hashes"]] == list(d3.hashes)
-    assert len(r3["candidates"]) == 3 and r3["candidates"][0]["params"]["num_blocks"] == 2000
+    assert len(r3["candidates"]) == 3 and r3["candidates"][0]["metrics"]["num_blocks"] == 2000
     assert r3["cost"]["prefill_ms_per_token"] == pool.spec.cost.prefill_ms_per_token
     out = r3["outcome"]
     assert out["status"] == 200 and out["completion_tokens"] == 12  # both reports merged
@@ -96,8 +96,9 @@ def test_gateway_calls_as_made_by_the_ext_proc_processor(tmp_path: Path) -> None
                         first_byte_ms=5.0, cached_tokens=None, completed_at=3.0)
     log = open_log(tmp_path / "log")
     r1, r2 = log.get(d1.id), log.get(d2.id)
-    assert r1["cost"] == pool.spec.cost.to_dict() and "params" in r1["candidates"][0]
-    assert r1["outcome"]["first_byte"] == "stream" and r2["outcome"]["first_byte"] == "body"
+    assert r1["cost"] == pool.spec.cost.to_dict() and "metrics" in r1["candidates"][0]
+    assert r1["outcome"]["ttft_kind"] == "first_token"
+    assert r2["outcome"]["ttft_kind"] == "first_byte"
     assert r1["outcome"]["aborted"] is False and "cached_tokens" not in r1["outcome"]
     assert summarize(log)["ttft"]["n"] == 1  # only the streamed one is a real TTFT
     log.close()
@@ -128,7 +129,7 @@ _KILLED_WRITER = textwrap.dedent("""
     while True:
         for d in route(router, 100):
             rec.decision(d, pool)
-            rec.outcome(d.id, status=200, ttft_ms=50.0, first_byte="stream")
+            rec.outcome(d.id, status=200, ttft_ms=50.0, ttft_kind="first_token")
             n += 1
         rec.flush()
         print(f"committed {{n}} {{d.id}}", flush=True)
@@ -244,7 +245,7 @@ def test_normal_load_drops_nothing(tmp_path: Path) -> None:
     with Recorder(tmp_path / "log") as rec:
         for d in decisions:
             assert rec.decision(d, pool)
-            assert rec.outcome(d.id, status=200, ttft_ms=20.0, first_byte="stream")
+            assert rec.outcome(d.id, status=200, ttft_ms=20.0, ttft_kind="first_token")
     assert rec.dropped == {} and rec.written == {"decision": 3000, "outcome": 3000}
     log = open_log(tmp_path / "log")
     recs = list(log.records(chunk=700))  # iteration resumes correctly across chunks

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from cachepilot.core import Fingerprint, InferenceRequest, Weights
 from cachepilot.core.decision import Candidate, Decision
+from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.policies import LIVE_POLICIES, Context
 from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
 from cachepilot.sim.measures import summarize
@@ -114,15 +115,47 @@ def test_power_of_two_picks_the_lighter_of_two():
     assert picks[1] > picks[0]
 
 
-def test_dynamo_cost_and_gie_scores():
+def test_dynamo_cost_counts_active_blocks_once_and_pending_prefill():
+    """cost = prefill tokens / B (uncached + the worker's pending prefill) + distinct active
+    blocks ∪ the request's (sequence.rs: a prefix shared by in-flight requests counts once)."""
     d = DynamoKV()
-    v = d.values([cand("a", matched_blocks=10), cand("b")], ctx(320))
-    assert v[0] == pytest.approx(-(10 + 20)) and v[1] == pytest.approx(-(20 + 20))
+    shared = tuple(range(100, 110))  # a 10-block prefix
+    for i in range(3):  # three in-flight requests on a, all sharing it, one own block each
+        d.on_routed(Decision(f"x{i}", 0, "p", "m", "dynamo_kv", {}, 0, 176, 16,
+                             (*shared, 200 + i), [], "a", 0, ""), None)
+    req = ctx(320, hashes=[*shared, *range(300, 310)])  # 20 blocks, the first 10 shared
+    a = cand("a", matched_blocks=10)
+    a.pending_prefill_tokens = 160  # one of them is still in prefill
+    v = d.values([a, cand("b")], req)
+    # a: (320 − 160 + 160)/16 = 20 prefill blocks; active 13 distinct + 10 new = 23
+    # b: 320/16 = 20 prefill blocks; active 0 + 20 new = 20
+    assert v == [pytest.approx(-(20 + 23)), pytest.approx(-(20 + 20))]
+    for i in range(3):
+        d.on_finish(Decision(f"x{i}", 0, "p", "m", "dynamo_kv", {}, 0, 176, 16,
+                             (*shared, 200 + i), [], "a", 0, ""), Outcome())
+    assert d.values([cand("a", matched_blocks=10)], req) == [pytest.approx(-(10 + 20))]
+
+
+def test_gie_scores_and_its_prefix_window():
     g = GIEDefault()
     v = g.values([cand("a", matched_blocks=20, waiting=4, kv=0.5),
                   cand("b", waiting=0, kv=0.0)], ctx(320))
     assert v[0] == pytest.approx(2 * 0 + 2 * 0.5 + 3 * 1.0)
     assert v[1] == pytest.approx(2 * 1 + 2 * 1.0 + 3 * 0.0)
+    # Only the first 256 blocks (4,096 tokens) count: a cached first half of an 8k prompt
+    # scores a full prefix match.
+    v = g.values([cand("a", matched_blocks=256), cand("b")], ctx(8192))
+    assert v[0] - v[1] == pytest.approx(3.0)
+
+
+def test_chwbl_bound_is_upstreams():
+    """loadOK = load ≤ factor × (total + 1) / n (balance_chwbl.go): with 4 workers and 8 in
+    flight, the bound is 2.81, so the ring's owner keeps the request at a load of 2."""
+    p = KubeAICHWBL()
+    key = ctx(48, hashes=[11, 12, 13])
+    idle = [cand(w) for w in "abcd"]
+    owner = p.values(idle, key).index(1.0)
+    assert p.values([cand(w, inflight=2) for w in "abcd"], key).index(1.0) == owner
 
 
 def test_simulate_cli_json():
@@ -146,8 +179,7 @@ def test_claims_are_computed_from_the_runs(monkeypatch, tmp_path):
     data = ex.run_all(2, processes=1)
     claims, _ = ex.write_outputs(data, tmp_path)
     ids = {c.id for c in claims}
-    assert {"1a", "1b", "1c", "2a", "2b", "3", "4", "5-bursty", "5-hotspot",
-            "adaptive-bursty", "adaptive-hotspot"} <= ids
+    assert {"1a", "1b", "1c", "2a", "2b", "3", "4", "5-bursty", "5-hotspot"} <= ids
     two_a = next(c for c in claims if c.id == "2a")
     assert len(two_a.values) == 2 and two_a.stats["mean"] > 2.5
     report = (tmp_path / "report.md").read_text()

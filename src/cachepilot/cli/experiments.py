@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +38,12 @@ def seed_claims_cmd(seeds: int, out_dir: str, processes: int | None) -> None:
     """Re-measure the original study's claims across seeds; write report.md, results.json
     and plots to OUT."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from cachepilot.sim import experiments
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
-    with Progress("[progress.description]{task.description}", BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
-        task = prog.add_task("simulating", total=None)
-
-        def tick(i: int, n: int, what: str) -> None:
-            prog.update(task, completed=i, total=n, description=f"simulating ({what})")
-
+    with _progress() as tick:
         data = experiments.run_all(seeds, processes, tick)
     out = Path(out_dir)
     claims, doc = experiments.write_outputs(data, out)
@@ -60,6 +55,61 @@ def seed_claims_cmd(seeds: int, out_dir: str, processes: int | None) -> None:
         console.print(f"  {c.id:12s} {c.verdict:40s} mean {c.stats.get('mean', float('nan')):.4g}")
     console.print(f"wrote {out / 'report.md'}, {out / 'results.json'} and plots "
                   f"in {time.perf_counter() - t0:.0f} s")
+
+
+@experiment_group.command("peers")
+@click.option("--seeds", default=10, show_default=True, type=click.IntRange(2, 200))
+@click.option("--out", "out_dir", default="peers", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
+              help="A Mooncake-format trace to include (default: shared/traces/"
+                   "mooncake_synthetic_trace.jsonl beside the checkout, when present).")
+@click.option("--processes", default=None, type=click.IntRange(1),
+              help="Worker processes (default: ≤2).")
+def peers_cmd(seeds: int, out_dir: str, trace_path: str | None,
+              processes: int | None) -> None:
+    """The default policy against the peer routers' models, paired by seed; write
+    report.md, results.json and plots to OUT."""
+    from cachepilot.sim import peers_study
+    from cachepilot.sim.traces import TraceFormatError, detect_format
+
+    trace = Path(trace_path) if trace_path else peers_study.MOONCAKE
+    if trace_path or trace.exists():
+        try:
+            if detect_format(trace) != "mooncake":
+                raise click.BadParameter(f"{trace}: not a Mooncake trace", param_hint="--trace")
+        except TraceFormatError as exc:
+            raise click.BadParameter(str(exc), param_hint="--trace") from None
+    else:
+        click.echo(f"no trace at {trace}: the Mooncake workload is left out (--trace FILE)",
+                   err=True)
+        trace = None
+    with _progress() as tick:
+        data = peers_study.run_all(seeds, trace, processes, tick)
+    stats = peers_study.write_outputs(data, Path(out_dir))
+    for name, st in stats.items():
+        for peer, d in st["vs"].items():
+            click.echo(f"{name:9s} vs {peer:18s} " + "  ".join(
+                f"{k[5:8]} {d[k]['rel']:+6.1%} {peers_study.verdict(d[k]).strip('*'):5s}"
+                for k in peers_study.METRICS))
+    click.echo(f"wrote {Path(out_dir) / 'report.md'} in {data['wall_s']:.0f} s", err=True)
+
+
+@contextmanager
+def _progress() -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr for a study's tasks."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as prog:
+        task = prog.add_task("simulating", total=None)
+
+        def tick(i: int, n: int, what: str) -> None:
+            prog.update(task, completed=i, total=n, description=f"simulating ({what})")
+
+        yield tick
 
 
 @experiment_group.command("real-model")

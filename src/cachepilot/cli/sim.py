@@ -8,6 +8,7 @@ import click
 
 from cachepilot.cli.options import policy_option
 from cachepilot.core import Weights
+from cachepilot.sim.engine import EngineConfig
 from cachepilot.sim.peers import SIM_POLICIES
 
 
@@ -27,18 +28,26 @@ from cachepilot.sim.peers import SIM_POLICIES
 @click.option("--scrape-interval", default=0.1, show_default=True,
               help="Seconds between metric scrapes (0: fresh at every decision).")
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-              help="JSONL trace to replay (with --workload trace).")
+              help="Trace to replay (with --workload trace): CachePilot's JSONL or "
+                   "Mooncake's format, detected.")
+@click.option("--rate-scale", default=1.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Speed a trace's arrivals up by this factor.")
+@click.option("--kv-blocks", default=EngineConfig().num_blocks, show_default=True,
+              type=click.IntRange(16), help="KV blocks (16 tokens) of each modelled engine.")
 @click.option("--json", "as_json", is_flag=True, help="Print the measures as JSON.")
 def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int, workers: int,
                  load_weight: float, prefill_weight: float, kv_weight: float,
-                 scrape_interval: float, trace_path: str | None, as_json: bool) -> None:
+                 scrape_interval: float, trace_path: str | None, rate_scale: float,
+                 kv_blocks: int, as_json: bool) -> None:
     """Simulate one workload through the gateway's router and modelled engines."""
     from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate, ideal_ttfts
     from cachepilot.sim.measures import summarize
 
     if kind == "trace" and not trace_path:
         raise click.BadParameter("--workload trace needs --trace FILE", param_hint="--trace")
-    spec = WorkloadSpec(kind, rate=rate, duration=duration, path=trace_path or "")
+    spec = WorkloadSpec(kind, rate=rate, duration=duration, path=trace_path or "",
+                        rate_scale=rate_scale)
     try:
         wl = generate(spec, seed)
     except (ValueError, KeyError, TypeError, OSError) as exc:
@@ -49,7 +58,14 @@ def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int
                                  f"{trace_path}: not a JSONL trace ({why})",
                                  param_hint="--trace") from None
     cfg = SimConfig(workers=workers, policy=policy, scrape_interval_s=scrape_interval,
-                    weights=Weights(prefill=prefill_weight, load=load_weight, kv=kv_weight))
+                    weights=Weights(prefill=prefill_weight, load=load_weight, kv=kv_weight),
+                    engine=EngineConfig(num_blocks=kv_blocks))
+    longest = max((r.prompt_tokens + r.max_tokens for r in wl.requests), default=0)
+    if longest > kv_blocks * cfg.engine.block_size:
+        raise click.BadParameter(
+            f"the longest request needs {longest:,} tokens of KV; an engine has "
+            f"{kv_blocks * cfg.engine.block_size:,}: raise --kv-blocks to at least "
+            f"{-(-longest // cfg.engine.block_size)}", param_hint="--kv-blocks")
     run = Simulator(cfg).run(wl)
     s = summarize(run, ideal_ttfts(wl, cfg.engine))
     s["workload"] = wl.summary()
@@ -64,4 +80,7 @@ def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int
         click.echo(f"  {k:22s} {s[k]:10.3f}" if isinstance(s[k], float)
                    else f"  {k:22s} {s[k]:10d}")
     click.echo(f"  utilization            {s['utilization']}")
+    if "predictor_rel_error_p50" in s:
+        click.echo(f"  predictor |error|      {s['predictor_rel_error_p50']:10.1%} median, "
+                   f"{s['predictor_rel_error_p90']:.1%} p90 (of measured TTFT)")
     click.echo(f"  simulator speed        {s['sim_rps']:,.0f} simulated requests / wall s")

@@ -5,12 +5,12 @@ and its first token there (:class:`Features`)::
 
     ttft ≈ base + prefill_ms_per_token × (its uncached tokens + prefill queued ahead of it)
                 + ms_per_running × sequences decoding in the batch it joins
-                + ms_per_queued × requests ahead of it the prefill term cannot see
+                + ms_per_queued × requests waiting for admission ahead of it
                 + KV pressure
 
 "Prefill queued ahead" is what this router sent there that has not produced a first token
-yet; "requests it cannot see" are waiting requests it did not send (other clients, other
-gateway replicas) and, once the engine's batch is full, every request waiting for a slot.
+yet; waiting requests are the scraped queue plus those sent since the scrape that the batch
+cannot have taken.
 Defaults describe a 7–8B model in bf16 on one datacenter GPU (A100/H100 class) under vLLM:
 prefill at ~12k tokens/s (0.08 ms/token), a ~15 ms scheduler step, ~0.1 ms per decoding
 sequence per step. They are the prior: :mod:`cachepilot.core.predictor` learns each worker's
@@ -28,9 +28,9 @@ from cachepilot.core.workers import TTFTParams, WorkerMetrics, WorkerState
 class CostModel:
     prefill_ms_per_token: float = 0.08
     base_ttft_ms: float = 15.0
-    # A request ahead that the prefill term cannot see delays a newcomer by about one mean
-    # prefill-plus-step (~150 ms for the 1–2k-token prompts of chat workloads).
-    queue_ms_per_waiting: float = 150.0
+    # Admission of a request waiting ahead, beyond its prefill: about one scheduler step while
+    # the token budget is the limit; far more when the batch is full (the predictor learns).
+    queue_ms_per_waiting: float = 15.0
     # Decode steps of running sequences share each step with our prefill: ~0.1 ms per
     # sequence per step, over the one or two steps a prefill takes.
     queue_ms_per_running: float = 0.2
@@ -38,6 +38,9 @@ class CostModel:
     kv_threshold: float = 0.8
     # …costing up to this much at a full cache (a recompute of a preempted request).
     kv_penalty_ms: float = 1000.0
+    # Weight of the delay a request's prefill adds to later arrivals at its worker
+    # (congestion_ms): 1.0 prices it at its expected value; 0 ignores it.
+    congestion_weight: float = 1.0
     # Metrics older than this are not trusted: the worker is treated as saturated.
     stale_after_s: float = 5.0
     # Requests waiting on one worker beyond which it takes no more (→ 429 when all are full).
@@ -107,7 +110,7 @@ class Features:
 
     prefill_tokens: int  # its uncached tokens + prefill this router queued there before it
     running: int  # sequences in the batch it joins
-    queued: int  # requests ahead of it that the prefill term cannot see
+    queued: int  # requests waiting for admission ahead of it (and itself, if the batch is full)
 
     def vector(self) -> tuple[float, float, float, float]:
         """(1, prefill tokens, running, queued): the predictor's regressors."""
@@ -143,15 +146,17 @@ def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
 
 def features(load: Load, worker: WorkerState, uncached_tokens: int,
              cost: CostModel) -> Features:
-    """The request's features on ``worker``. Waiting requests this router sent are in its
-    pending prefill already; the others are counted as queued. Once the batch is full (its
-    size known), every waiting request and this one wait for a slot."""
-    cap = cost.max_batch or worker.batch_cap_seen
-    if cap and load.running >= cap:
-        queued = load.waiting + 1
-    else:
-        queued = max(0, load.waiting - worker.pending_requests)
-    return Features(uncached_tokens + worker.pending_prefill_tokens, load.running, queued)
+    """The request's features on ``worker``. Waiting requests count twice over, on purpose:
+    their prefill (those this router sent) is in the prefill term, and each also costs its
+    admission (a scheduler step when the token budget is the limit, a finishing sequence
+    when the batch is full), priced per worker by the predictor. Once the batch is full (its
+    size configured), this request waits for a slot too."""
+    # Only a configured batch size says the batch is full: the size learned from scrapes
+    # (batch_cap_seen) is often lower, since engines with chunked prefill queue requests for
+    # the token budget long before every batch slot is taken.
+    full = bool(cost.max_batch) and load.running >= cost.max_batch
+    return Features(uncached_tokens + worker.pending_prefill_tokens, load.running,
+                    load.waiting + full)
 
 
 def ttft_params(worker: WorkerState, cost: CostModel) -> TTFTParams:
@@ -164,6 +169,14 @@ def queue_ms(f: Features, uncached_tokens: int, p: TTFTParams) -> float:
     ahead = f.prefill_tokens - uncached_tokens
     return (ahead * p.prefill_ms_per_token + f.running * p.ms_per_running
             + f.queued * p.ms_per_queued)
+
+
+def congestion_ms_of(prefill_ms: float, arrivals_per_ms: float, cost: CostModel) -> float:
+    """The delay a prefill of ``prefill_ms`` adds to the requests that arrive at the worker
+    while it runs: about ``λ·prefill`` of them, each waiting half of it on average. Not part
+    of this request's TTFT, but paid by the next ones: a placement that recomputes a prefix
+    cached elsewhere costs the pool capacity, which matters most in a burst."""
+    return cost.congestion_weight * arrivals_per_ms * prefill_ms * prefill_ms / 2.0
 
 
 def kv_pressure_ms(load: Load, new_blocks: int, worker: WorkerState, cost: CostModel) -> float:

@@ -22,7 +22,7 @@ class Candidate:
     matched_tokens: int = 0
     waiting: int = 0
     running: int = 0
-    queued: int = 0  # requests ahead that the prefill term cannot see (a feature)
+    queued: int = 0  # requests waiting for admission ahead of it (a feature)
     inflight: int = 0
     kv_usage: float = 0.0
     metrics_age_ms: float | None = None
@@ -31,6 +31,9 @@ class Candidate:
     prefill_ms: float = 0.0
     queue_ms: float = 0.0
     kv_ms: float = 0.0
+    # Not part of this request's TTFT: the delay its prefill adds to later arrivals at that
+    # worker (cachepilot.core.cost.congestion_ms_of). The priced policy counts it.
+    congestion_ms: float = 0.0
     predicted_ttft_ms: float = 0.0
     value: float = 0.0  # what the policy maximised
     # The worker's state as priced, so replay can rebuild it and call the same decide():
@@ -66,6 +69,7 @@ class Decision:
     uncached_tokens: int = 0
     prefill_pending: bool = False
     finished: bool = False  # released: the lifecycle's end has been reported
+    arrival_rate: float = 0.0  # the pool's recent requests/s, which prices congestion
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the adaptive weight in force
 
     @property

@@ -82,11 +82,15 @@ class OverlapOnly(Policy):
 
 
 class Priced(Policy):
-    """CachePilot's default: the worker with the lowest predicted TTFT for this request.
+    """CachePilot's default: the worker with the lowest predicted TTFT for this request, plus
+    the delay its prefill there adds to the requests that arrive after it.
 
-    The predicted TTFT already holds every effect in ms: the prefill a cached prefix saves
-    (only uncached tokens are prefilled), the queue ahead, decode interference and KV
-    pressure. Weights scale the prefill, load and KV terms (1.0 everywhere: trust the ms)."""
+    The predicted TTFT already holds every effect on this request in ms: the prefill a cached
+    prefix saves (only uncached tokens are prefilled), the queue ahead, decode interference
+    and KV pressure. The congestion term prices what a greedy choice leaves out: recomputing
+    a prefix on an idle worker can be as fast for this request as waiting for its holder,
+    but costs the pool a prefill, which every later arrival pays in a burst. Weights scale
+    the prefill, load and KV terms (1.0 everywhere: trust the ms)."""
 
     name = "priced"
     tie_tolerance = 0.5
@@ -94,8 +98,8 @@ class Priced(Policy):
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         w = ctx.weights
         dp, dl, dk = w.prefill - 1.0, w.load - 1.0, w.kv - 1.0
-        return [-(c.predicted_ttft_ms + dp * c.prefill_ms + dl * c.queue_ms + dk * c.kv_ms)
-                for c in cands]
+        return [-(c.predicted_ttft_ms + dp * c.prefill_ms + dl * c.queue_ms + dk * c.kv_ms
+                  + c.congestion_ms) for c in cands]
 
 
 # The policies a live pool can run: the gateway drives every hook they have. The simulator's

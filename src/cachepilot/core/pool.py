@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from cachepilot.core.cost import CostModel, Weights
@@ -36,6 +37,22 @@ class Pool:
         self.workers: dict[str, WorkerState] = {}
         self.directory = PrefixDirectory(spec.capacity_blocks)
         self.seq = 0
+        self._rate = 0.0  # requests/s, exponentially weighted over RATE_WINDOW_S
+        self._rate_at = 0.0
+
+    RATE_WINDOW_S = 2.0
+
+    def arrival_rate(self, now: float) -> float:
+        """Recent requests per second routed in this pool."""
+        return self._rate * math.exp(-max(0.0, now - self._rate_at) / self.RATE_WINDOW_S)
+
+    def set_arrival_rate(self, rate: float, now: float) -> None:
+        """Restore a recorded rate (replay)."""
+        self._rate, self._rate_at = rate, now
+
+    def note_arrival(self, now: float) -> None:
+        self._rate = self.arrival_rate(now) + 1.0 / self.RATE_WINDOW_S
+        self._rate_at = max(now, self._rate_at)
 
     @property
     def name(self) -> str:

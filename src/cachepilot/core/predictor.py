@@ -9,14 +9,14 @@ with θ = (base ms, prefill ms/token, ms per running sequence, ms per unseen que
 starting from the cost model's prior. :class:`TTFTPredictor` is a lifecycle plugin
 (:mod:`cachepilot.core.lifecycle`): ``on_routed`` keeps the chosen worker's features,
 ``on_first_token`` fits them to the measured TTFT, ``on_finish`` drops a request that never
-produced one. The fit is **recursive least squares with an intercept**, one per worker, with
-exponential forgetting (hardware and load drift; ``forgetting`` ≈ 1 − 1/memory) and each
-observation weighted by **Huber's** rule, so a residual beyond ``huber_k`` robust scales (a
-GC pause, a network stall, a cold start) counts linearly, not quadratically. The intercept
-absorbs what the features leave out (HTTP, Envoy, tokenisation, the step in progress), so
-the slopes stay unbiased. Parameters are bounded, and written into the worker's
+produced one. The fit is **least squares with an intercept**, one per worker, over its last
+``memory`` observations (hardware and load drift), each weighted by **Huber's** rule so a
+residual beyond ``huber_k`` robust scales (a GC pause, a network stall, a cold start) counts
+linearly, not quadratically (:class:`WorkerFit`). The intercept absorbs what the features
+leave out (HTTP, Envoy, tokenisation, the step in progress), so the slopes stay unbiased.
+Parameters are bounded, and written into the worker's
 :attr:`~cachepilot.core.workers.WorkerState.ttft` after ``warmup`` observations; a direction
-the data never excites (a worker that never queues) keeps its prior.
+the data never excite (a worker that never queues) keeps its prior.
 
 Only real first tokens carry a ``ttft_ms`` (streamed responses, the simulator's engines): a
 non-streamed response's first byte comes after the whole generation.
@@ -51,8 +51,10 @@ class PredictorConfig:
     # Bounds of (base ms, prefill ms/token, ms per running, ms per queued).
     lower: tuple[float, ...] = (0.0, 0.002, 0.0, 0.0)
     upper: tuple[float, ...] = (10_000.0, 5.0, 100.0, 10_000.0)
-    forgetting: float = 0.995  # per observation: a memory of ~200 requests
+    memory: int = 400  # observations per worker the fit uses (older ones age out)
+    refit_every: int = 8  # observations between refits (a refit is ~0.1 ms of numpy)
     huber_k: float = 2.0  # residuals beyond k robust scales are down-weighted
+    irls_rounds: int = 3
     warmup: int = 16  # observations of a worker before its fit replaces the prior
     prior_spread: float = 10.0  # prior std of each slope, in multiples of its prior value
     base_spread_ms: float = 50.0  # prior std of the base
@@ -62,58 +64,83 @@ class PredictorConfig:
 
 @dataclass(slots=True)
 class WorkerFit:
-    """Robust recursive least squares over θ for one worker."""
+    """Robust, bounded least squares over θ for one worker, on its last ``memory``
+    observations, refitted every ``refit_every``.
 
-    theta: list[float]
-    p: list[list[float]]  # covariance of θ (per unit of residual variance)
-    prior_var: list[float]  # each variance is capped at its prior (no wind-up)
-    scale_ms: float = 0.0  # robust residual scale (EWMA of clipped |residual|)
+    Each refit is iteratively reweighted least squares with Huber weights (robust scale:
+    the residuals' MAD), a ridge pull towards the prior (weak where the data speak, decisive
+    where they do not) and the bounds kept by an active set: a parameter that would leave
+    its bounds is fixed there and the others refitted without it. Clipping after an
+    unconstrained update instead (as a recursive filter would) lets the free parameters
+    compensate for the clipped one's intended move, and the fit drifts."""
+
+    prior: np.ndarray
+    prior_sd: np.ndarray
+    theta: np.ndarray
+    xs: deque[tuple[float, ...]]
+    ys: deque[float]
+    scale_ms: float = 0.0  # robust residual scale of the last refit (1.4826 × MAD)
     n: int = 0
-    outliers: int = 0
+    outliers: int = 0  # observations down-weighted in the last refit
 
     @classmethod
     def start(cls, prior: TTFTParams, cfg: PredictorConfig) -> WorkerFit:
-        theta = [prior.base_ms, prior.prefill_ms_per_token, prior.ms_per_running,
-                 prior.ms_per_queued]
-        var = [cfg.base_spread_ms ** 2] + [(cfg.prior_spread * max(v, 1e-3)) ** 2
-                                            for v in theta[1:]]
-        p = [[var[i] if i == j else 0.0 for j in range(N)] for i in range(N)]
-        return cls(theta=theta, p=p, prior_var=var)
+        p = np.array([prior.base_ms, prior.prefill_ms_per_token, prior.ms_per_running,
+                      prior.ms_per_queued])
+        sd = np.concatenate(([cfg.base_spread_ms], cfg.prior_spread * np.maximum(p[1:], 1e-3)))
+        return cls(prior=p, prior_sd=sd, theta=p.copy(), xs=deque(maxlen=cfg.memory),
+                   ys=deque(maxlen=cfg.memory))
 
     def params(self) -> TTFTParams:
-        return TTFTParams(*self.theta)
+        return TTFTParams(*(float(v) for v in self.theta))
 
     def update(self, x: tuple[float, ...], y: float, cfg: PredictorConfig) -> float:
-        """One observation; returns the a priori residual (measured − predicted)."""
-        th, p, lam = self.theta, self.p, cfg.forgetting
-        r = y - sum(th[i] * x[i] for i in range(N))
-        if self.scale_ms <= 0.0:
-            self.scale_ms = max(1.0, abs(r))
-        s = self.scale_ms
-        w = 1.0 if abs(r) <= cfg.huber_k * s else cfg.huber_k * s / abs(r)
-        if w < 1.0:
-            self.outliers += 1
-        # Robust scale: EWMA of |r| clipped at 4 scales, so one outlier moves it ≤ 20 %.
-        self.scale_ms = max(1e-3, 0.95 * s + 0.05 * min(abs(r), 4.0 * s))
-        px = [sum(p[i][j] * x[j] for j in range(N)) for i in range(N)]
-        denom = sum(x[i] * px[i] for i in range(N)) + lam * s * s / w
-        k = [v / denom for v in px]
-        for i in range(N):
-            th[i] += k[i] * r
-            for j in range(N):
-                p[i][j] = (p[i][j] - k[i] * px[j]) / lam
-        # No wind-up in directions the data does not excite: keep each variance ≤ its prior.
-        for i in range(N):
-            cap = self.prior_var[i]
-            if p[i][i] > cap:
-                f = math.sqrt(cap / p[i][i])
-                for j in range(N):
-                    p[i][j] *= f
-                    p[j][i] *= f
-        for i in range(N):
-            th[i] = min(max(th[i], cfg.lower[i]), cfg.upper[i])
+        """One observation; returns its a priori residual (measured − predicted)."""
+        r = y - float(np.dot(self.theta, x))
+        self.xs.append(x)
+        self.ys.append(y)
         self.n += 1
+        if self.n % cfg.refit_every == 0 or self.n == cfg.warmup:
+            self.refit(cfg)
         return r
+
+    def refit(self, cfg: PredictorConfig) -> None:
+        x = np.asarray(self.xs, dtype=float)
+        y = np.asarray(self.ys, dtype=float)
+        w = np.ones(len(y))
+        lo, hi = np.asarray(cfg.lower), np.asarray(cfg.upper)
+        scale = max(self.scale_ms, 1.0)
+        theta = self.theta
+        for _ in range(cfg.irls_rounds):
+            ridge = (scale / self.prior_sd) ** 2
+            theta = _bounded_ridge(x, y, w, ridge, self.prior, lo, hi)
+            r = np.abs(y - x @ theta)
+            scale = max(1.4826 * float(np.median(r)), 1e-3)
+            w = np.where(r <= cfg.huber_k * scale, 1.0, cfg.huber_k * scale / np.maximum(r, 1e-12))
+        self.theta, self.scale_ms = theta, scale
+        self.outliers = int(np.sum(w < 1.0))
+
+
+def _bounded_ridge(x: np.ndarray, y: np.ndarray, w: np.ndarray, ridge: np.ndarray,
+                   prior: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """argmin Σ w (y − xθ)² + Σ ridge (θ − prior)² within [lo, hi], by an active set."""
+    a = (x * w[:, None]).T @ x + np.diag(ridge)
+    b = (x * w[:, None]).T @ y + ridge * prior
+    theta = np.clip(prior, lo, hi)
+    free = np.ones(len(prior), dtype=bool)
+    for _ in range(len(prior)):
+        fixed = ~free
+        rhs = b[free] - a[np.ix_(free, fixed)] @ theta[fixed]
+        sol = np.linalg.solve(a[np.ix_(free, free)], rhs)
+        out = (sol < lo[free]) | (sol > hi[free])
+        theta[free] = np.clip(sol, lo[free], hi[free])
+        if not out.any():
+            break
+        idx = np.flatnonzero(free)[out]
+        free[idx] = False
+        if not free.any():
+            break
+    return theta
 
 
 @dataclass(slots=True)

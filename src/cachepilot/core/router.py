@@ -10,6 +10,7 @@ from xxhash import xxh3_64_intdigest
 from cachepilot.core.cost import (
     CostModel,
     Weights,
+    congestion_ms_of,
     effective_load,
     features,
     kv_pressure_ms,
@@ -83,6 +84,7 @@ class Router:
         worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
         pool.directory.insert(decision.chosen, fp.hashes)
+        pool.note_arrival(now)
         pool.policy.on_routed(decision, pool)
         for plugin in self.plugins:
             plugin.on_routed(decision, pool)
@@ -96,6 +98,9 @@ class Router:
         spec = pool.spec
         cost = spec.cost
         matches = pool.directory.match(fp.hashes, pool.workers)
+        rate = pool.arrival_rate(now)
+        # Arrivals per ms at one worker, if the pool's recent rate spread evenly.
+        lam = rate / 1000.0 / max(1, len(pool.workers))
         cands: list[Candidate] = []
         for addr, w in pool.workers.items():
             load = effective_load(w, now, cost)
@@ -113,6 +118,7 @@ class Router:
                 prefill_ms=uncached * p.prefill_ms_per_token,
                 queue_ms=queue_ms(f, uncached, p),
                 kv_ms=kv_pressure_ms(load, fp.blocks - blocks, w, cost),
+                congestion_ms=congestion_ms_of(uncached * p.prefill_ms_per_token, lam, cost),
                 ready=w.ready, metrics=w.metrics, pending_requests=w.pending_requests,
                 pending_prefill_tokens=w.pending_prefill_tokens,
                 batch_cap_seen=w.batch_cap_seen, ttft_params=w.ttft,
@@ -125,7 +131,9 @@ class Router:
             elif load.waiting >= cost.admission_limit:
                 c.eligible, c.filtered = False, "full"
             cands.append(c)
-        return self._pick(pool, model, fp, now, decision_id, cands, req)
+        d = self._pick(pool, model, fp, now, decision_id, cands, req)
+        d.arrival_rate = rate
+        return d
 
     def _pick(self, pool: Pool, model: str, fp: Fingerprint, now: float, decision_id: str,
               cands: list[Candidate], req: InferenceRequest | None) -> Decision:

@@ -71,6 +71,7 @@ class Replayer:
         pool = self.pool
         pool.spec = spec
         pool.seq = record["seq"]
+        pool.set_arrival_rate(record.get("arrival_rate", 0.0), record["time"])
         pool.workers = {}
         pool.directory = PrefixDirectory(default_capacity=len(hashes) + 1)
         for c in record_to_candidates(record):

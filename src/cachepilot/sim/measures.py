@@ -50,10 +50,17 @@ def summarize(run: RunResult, ideal: np.ndarray | None = None) -> dict[str, Any]
     if ideal is not None and ideal.size:
         out["ideal_p50_s"] = float(np.median(ideal))
         out["p50_over_ideal"] = out["ttft_p50_s"] / out["ideal_p50_s"]
-    if run.router_weights:
-        ws = np.array([w for _, w in run.router_weights])
-        out["load_weight_final"] = float(ws[-1])
-        out["load_weight_mean"] = float(ws.mean())
+    # The predictor's accuracy: |measured − predicted| TTFT of the chosen worker, the
+    # prediction made at routing time.
+    pairs = np.array([(o.ttft_s, o.predicted_ttft_s) for o in outs
+                      if o.ttft_s is not None and o.predicted_ttft_s is not None])
+    if pairs.size:
+        err = np.abs(pairs[:, 0] - pairs[:, 1])
+        rel = err / np.maximum(pairs[:, 0], 1e-9)
+        out["predictor_abs_error_p50_s"] = float(np.median(err))
+        out["predictor_abs_error_p90_s"] = float(np.percentile(err, 90))
+        out["predictor_rel_error_p50"] = float(np.median(rel))
+        out["predictor_rel_error_p90"] = float(np.percentile(rel, 90))
     return out
 
 

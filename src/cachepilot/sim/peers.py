@@ -13,6 +13,7 @@ starts).
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -89,8 +90,9 @@ class KubeAICHWBL(Policy):
     The key is the first 100 characters of the request's user content (≈25 tokens at 4
     characters per token); we take the chained hash of the block that ends at or before that
     point, which identifies everything up to it. The key is placed on a ring with 256 points
-    per worker; walking clockwise, the first worker whose in-flight load + 1 is at most
-    ``1.25 × (total in-flight + 1) / workers`` wins.
+    per worker; walking clockwise, the first worker whose in-flight load is at most
+    ``1.25 × (total in-flight + 1) / workers`` wins (``internal/loadbalancer/
+    balance_chwbl.go``: the +1 simulates the new request in the mean only).
     """
 
     name = "kubeai_chwbl"
@@ -131,11 +133,11 @@ class KubeAICHWBL(Policy):
         ring = self._ring
         for k in range(len(ring)):
             w = ring[(start + k) % len(ring)][1]
-            if total == 0 or load[w] + 1 <= bound:
+            if total == 0 or load[w] <= bound:
                 chosen = w
                 break
-        if chosen is None:  # cannot happen (the least-loaded worker is always under bound)
-            chosen = min(load, key=load.__getitem__)
+        if chosen is None:  # unreachable with a factor ≥ 1; upstream keeps the ring's owner
+            chosen = ring[start % len(ring)][1]
         return [1.0 if c.worker == chosen else 0.0 for c in cands]
 
 
@@ -160,41 +162,49 @@ class PowerOfTwo(Policy):
 
 
 class DynamoKV(Policy):
-    """NVIDIA Dynamo's KV router cost (docs: "KV Router", cost function):
-    ``cost = overlap_score_weight × potential_prefill_blocks + potential_active_blocks``
-    with ``overlap_score_weight=1.0`` and ``router_temperature=0`` (deterministic minimum).
+    """NVIDIA Dynamo's KV router with its defaults (ai-dynamo/dynamo
+    ``lib/llm/src/kv_router/scheduler.rs`` and ``sequence.rs``; docs/router/kv_cache_routing.md
+    "Cost Calculation"; ``KvRouterConfig::default``: ``overlap_score_weight=1.0``,
+    ``router_temperature=0``, output blocks not tracked)::
 
-    Prefill blocks are the request's blocks not cached on the worker (overlap from the
-    directory; Dynamo uses exact KV events). Active blocks are tracked by the router itself:
-    the prompt blocks of its in-flight requests on that worker plus this request's."""
+        prefill_tokens = (isl − overlap × B) + active prefill tokens of the worker
+        decode_blocks  = |distinct blocks of its in-flight requests ∪ this request's blocks|
+        cost = overlap_score_weight × prefill_tokens / B + decode_blocks     (lowest wins)
+
+    Active prefill tokens are the uncached tokens of requests routed there whose first token
+    has not come back (the core's pending prefill, as priced); in-flight blocks are
+    reference-counted, so a prefix shared by many in-flight requests counts once. Overlap
+    comes from the core directory (Dynamo reads engine KV events: it sees a new prefix only
+    once prefilled, which ours sees at routing; see docs/research/peer-models.md)."""
 
     name = "dynamo_kv"
 
     def __init__(self, overlap_score_weight: float = 1.0) -> None:
         self.w = overlap_score_weight
-        self._active: dict[str, int] = {}
-        self._blocks: dict[str, int] = {}
-        self._bs = 16
-
-    def bind(self, pool) -> None:
-        self._bs = pool.spec.block.block_size
+        self._refs: dict[str, Counter[int]] = {}
 
     def on_routed(self, decision: Decision, pool: Any) -> None:
-        blocks = -(-decision.tokens // decision.block_size)
-        self._blocks[decision.id] = blocks
-        self._active[decision.chosen] = self._active.get(decision.chosen, 0) + blocks
+        self._refs.setdefault(decision.chosen, Counter()).update(decision.hashes)
 
     def on_finish(self, decision: Decision, outcome: Outcome) -> None:
-        blocks = self._blocks.pop(decision.id, 0)
-        self._active[decision.chosen] = self._active.get(decision.chosen, 0) - blocks
+        refs = self._refs.get(decision.chosen)
+        if refs is None:
+            return
+        refs.subtract(decision.hashes)
+        for h in decision.hashes:
+            if refs[h] <= 0:
+                del refs[h]
 
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        fp = ctx.fingerprint
+        hashes = fp.hashes if fp is not None else ()
+        bs = fp.block_size if fp is not None else 16
         out = []
-        req_blocks = ctx.tokens / self._bs
         for c in cands:
-            prefill_blocks = req_blocks - c.matched_blocks
-            active = self._active.get(c.worker, 0) + req_blocks
-            out.append(-(self.w * prefill_blocks + active))
+            refs = self._refs.get(c.worker, {})
+            prefill_tokens = ctx.tokens - c.matched_blocks * bs + c.pending_prefill_tokens
+            decode_blocks = len(refs) + sum(1 for h in hashes if h not in refs)
+            out.append(-(self.w * prefill_tokens / bs + decode_blocks))
         return out
 
 
@@ -205,14 +215,18 @@ class GIEDefault(Policy):
     ``prefix-cache-scorer`` weight 3, ``max-score-picker``.
 
     queue: ``(max_q - q) / (max_q - min_q)`` over the candidates' scraped waiting queues
-    (1 when all equal); kv: ``1 - kv_usage``; prefix: matched blocks / request blocks from
-    the prefix index (GIE keeps its own LRU index per server; ours is the core directory)."""
+    (1 when all equal); kv: ``1 - kv_usage``; prefix: matched blocks / request blocks over
+    the first ``max_prefix_blocks`` = 256 blocks of 16 tokens (64 characters) only, as the
+    approximate prefix plugin truncates its input (``maxPrefixBlocksToMatch``). GIE keeps its
+    own LRU index per server, filled on routing decisions like the core directory used here.
+    Sources and versions: docs/research/peer-models.md (weights 2/2/3 since v1.2)."""
 
     name = "gie_default"
 
     def __init__(self, queue_weight: float = 2.0, kv_weight: float = 2.0,
-                 prefix_weight: float = 3.0) -> None:
+                 prefix_weight: float = 3.0, max_prefix_blocks: int = 256) -> None:
         self.wq, self.wk, self.wp = queue_weight, kv_weight, prefix_weight
+        self.max_blocks = max_prefix_blocks
         self._bs = 16
 
     def bind(self, pool) -> None:
@@ -221,12 +235,12 @@ class GIEDefault(Policy):
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         qs = [c.waiting for c in cands]
         hi, lo = max(qs), min(qs)
-        blocks = max(1, ctx.tokens // self._bs)
+        blocks = min(self.max_blocks, max(1, -(-ctx.tokens // self._bs)))
         out = []
         for c in cands:
             q = 1.0 if hi == lo else (hi - c.waiting) / (hi - lo)
             kv = 1.0 - c.kv_usage
-            prefix = min(1.0, c.matched_blocks / blocks)
+            prefix = min(1.0, min(c.matched_blocks, self.max_blocks) / blocks)
             out.append(self.wq * q + self.wk * kv + self.wp * prefix)
         return out
 

@@ -80,13 +80,12 @@ def weight_sweep(sweeps: dict[str, Any], path: Path) -> str:
             hi = np.array([s["curve"][k][q]["hi"] for k in s["curve"]]) * 1000
             ax.plot(xs, m, "o-", color=color, label=f"fixed weight, {q}")
             ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
-            a = s[f"adaptive_{q}"]["mean"] * 1000
-            ax.axhline(a, color=color, ls="--", label=f"adaptive, {q}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("load weight (0 drawn at 1/16)")
         ax.set_ylabel("TTFT (ms)")
-        ax.set_title(f"{regime}: best fixed weight {s['best_weight']:g}")
+        better = ", ".join(f"{w:g}" for w in s["better_than_unit"]) or "none"
+        ax.set_title(f"{regime}: significantly better than 1: {better}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -97,11 +96,15 @@ def weight_sweep(sweeps: dict[str, Any], path: Path) -> str:
 
 def seed_vs_weight(sv: dict[str, Any], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(sv["effects_s"])
-    vals = [sv["effects_s"][k] * 1000 for k in names]
-    ax.bar(names, vals, color="C2", label="|Δ mean median TTFT| from the weight change")
-    ax.axhline(sv["seed_sd_s"] * 1000, color="C3", ls="--",
-               label="seed-to-seed SD of median TTFT (default weights)")
+    names = list(sv["effects"])
+    mean = np.array([sv["effects"][k]["mean"] for k in names]) * 1000
+    lo = np.array([sv["effects"][k]["lo"] for k in names]) * 1000
+    hi = np.array([sv["effects"][k]["hi"] for k in names]) * 1000
+    ax.errorbar(names, mean, yerr=[mean - lo, hi - mean], fmt="o", color="C2", capsize=4,
+                label="paired Δ median TTFT from unit weights (95% CI)")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.axhspan(-sv["seed_sd_s"] * 1000, sv["seed_sd_s"] * 1000, color="C3", alpha=0.15,
+               label="± seed-to-seed SD of median TTFT (unit weights)")
     ax.set_ylabel("ms")
     ax.set_title(f"Seed variance vs weight changes ({sv['workload']} workload, priced)")
     ax.legend(fontsize=8)

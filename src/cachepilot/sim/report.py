@@ -93,16 +93,20 @@ def render(claims, extra: dict[str, Any], tables: dict[str, Any], speed: dict[st
             L.append(f"| {p} | {_ours(s['throughput_rps'], 'x')} | "
                      f"{s['throughput_out_tps']['mean']:.0f} | {s['token_hit_rate']['mean']:.3f} |")
         L.append("")
-    L += ["## Load-weight sweep and the adaptive weight", ""]
-    L.append("| regime | best fixed weight | its median TTFT | adaptive median TTFT | "
-             "adaptive / best | adaptive's learned weight |")
-    L.append("|---|---|---|---|---|---|")
+    L += ["## Load-weight sweep, paired against unit weight", "",
+          "Each row: the median TTFT with that load weight, and its paired difference from "
+          "unit weight over the same seeds (mean [95% CI]); **bold** where the interval "
+          "excludes zero.", ""]
+    L.append("| regime | load weight | median TTFT | − unit weight |")
+    L.append("|---|---|---|---|")
     for regime, s in extra["sweeps"].items():
-        best = s["curve"][str(s["best_weight"])]["p50"]
-        L.append(f"| {regime} | {s['best_weight']:g} | {_ours(_ms(best), 'ms')} | "
-                 f"{_ours(_ms(s['adaptive_p50']), 'ms')} | "
-                 f"{_ours(s['adaptive_over_best'], 'x')} | "
-                 f"{_ours(s['adaptive_weight_final'], 'x')} |")
+        for w, c in s["curve"].items():
+            d = c["vs_unit"]
+            diff = (f"{d['mean'] * 1000:+.2f} [{d['lo'] * 1000:+.2f}, {d['hi'] * 1000:+.2f}] ms"
+                    if float(w) != 1.0 else "—")
+            if d.get("significant"):
+                diff = f"**{diff}**"
+            L.append(f"| {regime} | {float(w):g} | {_ours(_ms(c['p50']), 'ms')} | {diff} |")
     L.append("")
     st = extra.get("staleness") or {}
     if st:

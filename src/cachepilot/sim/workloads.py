@@ -18,11 +18,15 @@ Kinds (all parameters in :class:`WorkloadSpec`, defaults documented in docs/simu
 - ``sessions``: multi-turn chats; each turn's prompt is the whole conversation so far
   (system prompt, previous user turns and assistant answers), so a session grows its own
   prefix. Open loop: a turn arrives a think time after the previous one.
-- ``trace``: a recorded JSONL trace replayed as is.
+- ``trace``: a trace file replayed: CachePilot's JSONL (:func:`write_trace`) or Mooncake's
+  (:mod:`cachepilot.sim.traces`), sped up and sampled by prefix group on request.
 
 Drivers that send real HTTP requests (the load generator, the real-model experiment) turn a
 request's segments into text with :func:`segment_text` / :func:`chat_messages`: each
 segment's words are a pure function of its key too, so the same sharing holds in text.
+
+(A little over 400 lines: every workload kind, its prompt text and its trace form live
+together, because they share the segment → tokens → hashes contract.)
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint, fingerprint
+from cachepilot.sim.traces import detect_format, read_mooncake
 
 VOCAB = 32000
 MODEL = "sim-model"
@@ -99,8 +105,14 @@ class WorkloadSpec:
     think_s: float = 8.0
     # shared_prefix: share of requests whose document is their own (nothing else shares it)
     p_unique: float = 0.0
-    # trace
+    # trace: a file in CachePilot's JSONL format or Mooncake's (detected), its arrivals
+    # sped up ``rate_scale`` times; with ``sample`` < 1, each seed keeps that share of the
+    # trace's prefix groups (requests whose first block is the same: a conversation or a
+    # shared document), drawn by the seed: independent samples of one trace that keep its
+    # reuse, for across-seed studies.
     path: str = ""
+    rate_scale: float = 1.0
+    sample: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -223,7 +235,7 @@ def generate(spec: WorkloadSpec, seed: int) -> Workload:
     elif spec.kind == "sessions":
         reqs = _sessions(spec, seed, rng)
     elif spec.kind == "trace":
-        reqs = list(read_trace(spec.path))
+        reqs = _trace(spec, seed)
     else:
         raise ValueError(f"unknown workload kind {spec.kind!r}; known: {sorted(_KIND_IDS)}")
     return Workload(spec, seed, reqs)
@@ -347,6 +359,33 @@ def chat_messages(req: SimRequest, chars_per_token: float = 4.0) -> list[dict[st
 
 
 # -- traces ------------------------------------------------------------------------------------
+
+def _trace(spec: WorkloadSpec, seed: int) -> list[SimRequest]:
+    if spec.rate_scale <= 0 or not 0 < spec.sample <= 1:
+        raise ValueError("a trace needs rate_scale > 0 and 0 < sample ≤ 1")
+    if detect_format(spec.path) == "mooncake":
+        reqs = [SimRequest(i, row.arrival_s, (), row.max_tokens, row.fingerprint)
+                for i, row in enumerate(read_mooncake(spec.path, model=MODEL, block=BLOCK))]
+    else:
+        reqs = list(read_trace(spec.path))
+    if not reqs:
+        return []
+    t0 = reqs[0].arrival
+    for r in reqs:
+        r.arrival = (r.arrival - t0) / spec.rate_scale
+    if spec.sample < 1:
+        salt = seed & 0xFFFF_FFFF_FFFF_FFFF
+        keep = 2**64 * spec.sample
+
+        def kept(r: SimRequest) -> bool:
+            first = r.fp.hashes[0] if r.fp.hashes else r.id
+            return xxh3_64_intdigest(first.to_bytes(8, "little"), salt) < keep
+
+        reqs = [r for r in reqs if kept(r)]
+        for i, r in enumerate(reqs):
+            r.id = i
+    return reqs
+
 
 def write_trace(requests: Iterable[SimRequest], path: str | Path) -> None:
     """One JSON object per line: arrival time, segments, max_tokens, user_start, group."""

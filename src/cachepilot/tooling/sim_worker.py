@@ -236,14 +236,3 @@ def serve(cfg: WorkerConfig, host: str, port: int) -> None:
     """Serve one simulated worker until interrupted (OSError if the port is taken)."""
     web.run_app(make_app(cfg), host=host, port=port, print=None, access_log=None)
 
-
-def __getattr__(name: str) -> object:
-    """Transitional: ``sim_worker_cmd`` moved to :mod:`cachepilot.cli.worker`. Only
-    tests/test_manifests_apply.py still imports it from here; delete this function once it
-    imports ``from cachepilot.cli.worker import sim_worker_cmd`` (tooling must not import
-    the CLI, which is why this is a lazy lookup and not an import)."""
-    if name == "sim_worker_cmd":
-        import importlib
-
-        return importlib.import_module("cachepilot.cli.worker").sim_worker_cmd
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

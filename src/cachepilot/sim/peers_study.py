@@ -1,0 +1,201 @@
+"""``cachepilot experiment peers``: CachePilot's default policy against the peer routers'
+models, paired by seed, on the study workloads and the Mooncake trace.
+
+Each (workload, seed) task draws the workload once and runs every policy on the very same
+requests, so a policy difference is measured seed by seed (:func:`cachepilot.sim.stats.paired`)
+and called a finding only when its 95 % interval excludes zero. The peers are modelled from
+their own code (docs/simulator.md cites each file); the default policy is the one a live pool
+runs with no setting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from cachepilot.core import PoolSpec
+from cachepilot.sim.engine import EngineConfig
+from cachepilot.sim.experiments import STUDY_COST, WORKERS
+from cachepilot.sim.experiments import WORKLOADS as CLAIM_WORKLOADS
+from cachepilot.sim.measures import summarize
+from cachepilot.sim.parallel import Progress, run_tasks
+from cachepilot.sim.plots import plt
+from cachepilot.sim.simulator import SimConfig, Simulator
+from cachepilot.sim.stats import ci95, paired
+from cachepilot.sim.workloads import WorkloadSpec, generate
+
+DEFAULT = PoolSpec().policy
+PEERS = ("sglang_cache_aware", "gie_default", "dynamo_kv", "kubeai_chwbl", "power_of_two")
+POLICIES = (DEFAULT, *PEERS, "round_robin")
+METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+# Where the project's checkout finds the Mooncake trace (shared/ beside the repository).
+MOONCAKE = (Path(__file__).resolve().parents[3].parent / "shared" / "traces"
+            / "mooncake_synthetic_trace.jsonl")
+
+
+def workloads(trace: Path | None) -> dict[str, tuple[WorkloadSpec, SimConfig]]:
+    """Name → (workload, deployment). The Mooncake trace's prompts (15k tokens on average,
+    up to 191k) need engines with 262k tokens of KV and eight of them to serve its rate;
+    each seed keeps a quarter of its prefix groups at four times the speed (same load)."""
+    base = SimConfig(workers=WORKERS, cost=STUDY_COST)
+    out = {name: (CLAIM_WORKLOADS[name], base) for name in ("shared", "hotspot", "bursty")}
+    out["sessions"] = (WorkloadSpec("sessions", rate=8.0, duration=60.0), base)
+    if trace is not None:
+        out["mooncake"] = (WorkloadSpec("trace", path=str(trace), rate_scale=4.0, sample=0.25),
+                           replace(base, workers=8, engine=EngineConfig(num_blocks=16384)))
+    return out
+
+
+def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
+    name, seed, trace = task
+    spec, cfg = workloads(Path(trace) if trace else None)[name]
+    wl = generate(spec, seed)
+    runs = {}
+    for p in POLICIES:
+        s = summarize(Simulator(replace(cfg, policy=p)).run(wl))
+        runs[p] = {k: s.get(k) for k in (*METRICS, "ttft_mean_s", "token_hit_rate",
+                                         "imbalance_assigned", "predictor_rel_error_p50",
+                                         "predictor_rel_error_p90", "requests", "wall_s")}
+    return {"workload": name, "seed": seed, "runs": runs}
+
+
+def run_all(seeds: int, trace: Path | None, processes: int | None = None,
+            progress: Progress | None = None) -> dict[str, Any]:
+    names = list(workloads(trace))
+    # The trace's tasks are the longest: first, so both processes stay busy to the end.
+    tasks = [(n, s, str(trace or "")) for n in sorted(names, key=lambda n: n != "mooncake")
+             for s in range(seeds)]
+    t0 = time.perf_counter()
+    results = run_tasks(run_task, tasks, processes, progress, lambda t: f"{t[0]} seed {t[1]}")
+    return {"results": results, "seeds": seeds, "wall_s": time.perf_counter() - t0,
+            "workloads": {n: {"spec": s.to_dict(), "workers": c.workers,
+                              "kv_tokens": c.engine.num_blocks * c.engine.block_size}
+                          for n, (s, c) in workloads(trace).items()}}
+
+
+def analyse(data: dict[str, Any]) -> dict[str, Any]:
+    """Per workload: each policy's means with intervals, and the default's paired
+    difference from every other policy for p50, p90 and p99."""
+    out: dict[str, Any] = {}
+    for name in data["workloads"]:
+        rows = sorted((r for r in data["results"] if r["workload"] == name),
+                      key=lambda r: r["seed"])
+        if not rows:
+            continue
+
+        def vals(p: str, k: str, rows: list[dict] = rows) -> list[float]:
+            return [r["runs"][p][k] for r in rows]
+
+        table = {p: {k: ci95(vals(p, k)) for k in (*METRICS, "token_hit_rate",
+                                                  "imbalance_assigned",
+                                                  "predictor_rel_error_p50")}
+                 for p in POLICIES}
+        diffs = {p: {k: paired(vals(DEFAULT, k), vals(p, k)) for k in METRICS}
+                 for p in POLICIES if p != DEFAULT}
+        out[name] = {"table": table, "vs": diffs}
+    return out
+
+
+def verdict(d: dict[str, Any]) -> str:
+    if not d["significant"]:
+        return "n.s."
+    return "**wins**" if d["mean"] < 0 else "**loses**"
+
+
+def report(data: dict[str, Any], stats: dict[str, Any], figs: list[str]) -> str:
+    n_req = sum(run["requests"] for r in data["results"] for run in r["runs"].values())
+    L = ["# CachePilot's default policy against the peer routers' models", "",
+         f"`cachepilot experiment peers --seeds {data['seeds']}`: {len(data['results'])} "
+         f"(workload, seed) tasks, {n_req:,} simulated requests in {data['wall_s']:.0f} s.",
+         "",
+         f"Default policy: `{DEFAULT}` (lowest predicted TTFT, learned per worker). Peers are "
+         "modelled from their own code (docs/simulator.md). Each seed draws the workload once "
+         "and every policy serves the same requests; a difference is the default's minus the "
+         "peer's, mean over seeds with its paired 95% interval, relative to the peer's mean: "
+         "**wins** / **loses** only when the interval excludes zero, n.s. otherwise.", ""]
+    for name, st in stats.items():
+        w = data["workloads"][name]
+        spec = w["spec"]
+        what = (f"trace {Path(spec['path']).name}, ×{spec['rate_scale']:g} speed, "
+                f"{spec['sample']:.0%} of its prefix groups per seed" if spec["kind"] == "trace"
+                else f"{spec['kind']}, {spec['rate']:g} req/s for {spec['duration']:g} s")
+        L += [f"## {name}", "", f"{what}; {w['workers']} workers with "
+              f"{w['kv_tokens']:,} tokens of KV each.", "",
+              "| policy | p50 ms | p90 ms | p99 ms | token hit rate | imbalance | "
+              "predictor median \\|error\\| |", "|---|---|---|---|---|---|---|"]
+        for p, t in st["table"].items():
+            L.append(f"| {p} | " + " | ".join(f"{t[k]['mean'] * 1000:.1f}" for k in METRICS)
+                     + f" | {t['token_hit_rate']['mean']:.3f} | "
+                     f"{t['imbalance_assigned']['mean']:.2f} | "
+                     f"{t['predictor_rel_error_p50']['mean']:.1%} |")
+        L += ["", f"| {DEFAULT} − peer | p50 | p90 | p99 |", "|---|---|---|---|"]
+        for p, d in st["vs"].items():
+            L.append(f"| {p} | " + " | ".join(
+                f"{d[k]['rel']:+.1%} [{d[k]['rel_lo']:+.1%}, {d[k]['rel_hi']:+.1%}] "
+                f"{verdict(d[k])}" for k in METRICS) + " |")
+        L.append("")
+    L += ["## Plots", ""] + [f"![{f}]({f})" for f in figs] + [""]
+    return "\n".join(L)
+
+
+def plot(stats: dict[str, Any], out: Path) -> list[str]:
+    figs = []
+    names = list(stats)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        vs = stats[name]["vs"]
+        peers = list(vs)
+        for j, k in enumerate(METRICS):
+            m = np.array([vs[p][k]["rel"] for p in peers]) * 100
+            lo = np.array([vs[p][k]["rel_lo"] for p in peers]) * 100
+            hi = np.array([vs[p][k]["rel_hi"] for p in peers]) * 100
+            y = np.arange(len(peers)) + (j - 1) * 0.25
+            ax.errorbar(m, y, xerr=[m - lo, hi - m], fmt="o", ms=4, capsize=3,
+                        label=k.replace("ttft_", "").replace("_s", ""))
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_yticks(np.arange(len(peers)), peers, fontsize=8)
+        ax.set_xlabel(f"{DEFAULT} − peer, % of peer (95% CI)")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "paired_differences.png", dpi=110)
+    plt.close(fig)
+    figs.append("paired_differences.png")
+
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        t = stats[name]["table"]
+        pols = list(t)
+        for j, k in enumerate(METRICS):
+            m = np.array([t[p][k]["mean"] for p in pols]) * 1000
+            ax.bar(np.arange(len(pols)) + (j - 1) * 0.27, m, width=0.27,
+                   label=k.replace("ttft_", "").replace("_s", ""))
+        ax.set_yscale("log")
+        ax.set_xticks(np.arange(len(pols)), pols, rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(name)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "ttft_by_policy.png", dpi=110)
+    plt.close(fig)
+    figs.append("ttft_by_policy.png")
+    return figs
+
+
+def write_outputs(data: dict[str, Any], out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    stats = analyse(data)
+    figs = plot(stats, out)
+    (out / "report.md").write_text(report(data, stats, figs))
+    doc = {"seeds": data["seeds"], "wall_s": data["wall_s"], "default": DEFAULT,
+           "workloads": data["workloads"], "stats": stats, "results": data["results"]}
+    (out / "results.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2
+                                                    | orjson.OPT_SERIALIZE_NUMPY))
+    return stats
+
