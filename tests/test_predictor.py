@@ -86,7 +86,8 @@ def test_the_plugin_learns_a_workers_model_after_warmup_and_scores_itself() -> N
         if i < 9:
             assert w.ttft is None  # the prior until warm-up
         c = d.winner
-        router.first_token(d, truth.predict((1.0, d.uncached_tokens, 0.0, c.queued)))
+        router.first_token(d, truth.predict((1.0, d.uncached_tokens + c.ahead_tokens, 0.0,
+                                             c.queued)))
         router.release(d)
     assert predictor.observe("unknown", 10.0) is None
     assert w.ttft is not None

@@ -68,3 +68,8 @@ def _table(out: dict[str, Any], console: Console) -> None:
     ratio = float(cp["ttft_p50_s"]) / float(rr["ttft_p50_s"])
     console.print(f"median TTFT: CachePilot is {ratio:.0%} of round robin's; "
                   f"per-worker requests: {cp['per_worker']}")
+    if cp.get("predictor_rel_error_p50") is not None:
+        console.print(f"TTFT predictor, CachePilot phase: median |error| "
+                      f"{cp['predictor_rel_error_p50']:.0%} of measured TTFT "
+                      f"(p90 {cp['predictor_rel_error_p90']:.0%}, "
+                      f"{cp['predictor_observations']} first tokens)")

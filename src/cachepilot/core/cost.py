@@ -9,8 +9,9 @@ and its first token there (:class:`Features`)::
                 + KV pressure
 
 "Prefill queued ahead" is what this router sent there that has not produced a first token
-yet; waiting requests are the scraped queue plus those sent since the scrape that the batch
-cannot have taken.
+yet, plus a typical request's prefill for each waiting request someone else sent (another
+client, another gateway replica); waiting requests are the scraped queue plus those sent
+since the scrape that the batch cannot have taken.
 Defaults describe a 7–8B model in bf16 on one datacenter GPU (A100/H100 class) under vLLM:
 prefill at ~12k tokens/s (0.08 ms/token), a ~15 ms scheduler step, ~0.1 ms per decoding
 sequence per step. They are the prior: :mod:`cachepilot.core.predictor` learns each worker's
@@ -28,9 +29,10 @@ from cachepilot.core.workers import TTFTParams, WorkerMetrics, WorkerState
 class CostModel:
     prefill_ms_per_token: float = 0.08
     base_ttft_ms: float = 15.0
-    # Admission of a request waiting ahead, beyond its prefill: about one scheduler step while
-    # the token budget is the limit; far more when the batch is full (the predictor learns).
-    queue_ms_per_waiting: float = 15.0
+    # Admission of a request waiting ahead, beyond its prefill: a few scheduler steps while
+    # the token budget is the limit, far more when the batch is full. The predictor learns
+    # each worker's; this prior leans to caution, as a queue is how a worker in trouble looks.
+    queue_ms_per_waiting: float = 50.0
     # Decode steps of running sequences share each step with our prefill: ~0.1 ms per
     # sequence per step, over the one or two steps a prefill takes.
     queue_ms_per_running: float = 0.2
@@ -144,19 +146,22 @@ def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
                 kv_usage=m.kv_usage if m.kv_usage is not None else 0.0, stale=False, age_s=age)
 
 
-def features(load: Load, worker: WorkerState, uncached_tokens: int,
+def features(load: Load, worker: WorkerState, uncached_tokens: int, typical_uncached: float,
              cost: CostModel) -> Features:
     """The request's features on ``worker``. Waiting requests count twice over, on purpose:
-    their prefill (those this router sent) is in the prefill term, and each also costs its
-    admission (a scheduler step when the token budget is the limit, a finishing sequence
-    when the batch is full), priced per worker by the predictor. Once the batch is full (its
-    size configured), this request waits for a slot too."""
+    their prefill is in the prefill term (exact for those this router sent; a typical
+    request's for the others the last scrape saw), and each also costs its admission (a
+    scheduler step when the token budget is the limit, a finishing sequence when the batch
+    is full), priced per worker by the predictor. Once the batch is full (its size
+    configured), this request waits for a slot too."""
     # Only a configured batch size says the batch is full: the size learned from scrapes
     # (batch_cap_seen) is often lower, since engines with chunked prefill queue requests for
     # the token budget long before every batch slot is taken.
     full = bool(cost.max_batch) and load.running >= cost.max_batch
-    return Features(uncached_tokens + worker.pending_prefill_tokens, load.running,
-                    load.waiting + full)
+    m = worker.metrics
+    foreign = 0 if m is None else max(0, m.waiting - m.router_pending)
+    ahead = worker.pending_prefill_tokens + round(foreign * typical_uncached)
+    return Features(uncached_tokens + ahead, load.running, load.waiting + full)
 
 
 def ttft_params(worker: WorkerState, cost: CostModel) -> TTFTParams:

@@ -23,6 +23,7 @@ class Candidate:
     waiting: int = 0
     running: int = 0
     queued: int = 0  # requests waiting for admission ahead of it (a feature)
+    ahead_tokens: int = 0  # prefill tokens queued ahead of it (a feature; see core.cost)
     inflight: int = 0
     kv_usage: float = 0.0
     metrics_age_ms: float | None = None
@@ -70,6 +71,7 @@ class Decision:
     prefill_pending: bool = False
     finished: bool = False  # released: the lifecycle's end has been reported
     arrival_rate: float = 0.0  # the pool's recent requests/s, which prices congestion
+    typical_uncached: float = 0.0  # what a waiting request someone else sent is assumed to be
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the adaptive weight in force
 
     @property

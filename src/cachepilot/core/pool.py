@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.directory import PrefixDirectory
@@ -39,6 +39,7 @@ class Pool:
         self.seq = 0
         self._rate = 0.0  # requests/s, exponentially weighted over RATE_WINDOW_S
         self._rate_at = 0.0
+        self.typical_uncached = 0.0
 
     RATE_WINDOW_S = 2.0
 
@@ -46,13 +47,18 @@ class Pool:
         """Recent requests per second routed in this pool."""
         return self._rate * math.exp(-max(0.0, now - self._rate_at) / self.RATE_WINDOW_S)
 
-    def set_arrival_rate(self, rate: float, now: float) -> None:
-        """Restore a recorded rate (replay)."""
+    def restore_traffic(self, rate: float, now: float, typical_uncached: float) -> None:
+        """Restore a recorded arrival rate and typical request (replay)."""
         self._rate, self._rate_at = rate, now
+        self.typical_uncached = typical_uncached
 
-    def note_arrival(self, now: float) -> None:
+    def note_arrival(self, now: float, uncached_tokens: int) -> None:
         self._rate = self.arrival_rate(now) + 1.0 / self.RATE_WINDOW_S
         self._rate_at = max(now, self._rate_at)
+        # The typical request's uncached tokens (an EWMA over ~20 requests): what a waiting
+        # request this router did not send is assumed to cost.
+        a = 0.05 if self.typical_uncached else 1.0
+        self.typical_uncached += a * (uncached_tokens - self.typical_uncached)
 
     @property
     def name(self) -> str:
@@ -98,7 +104,8 @@ class Pool:
         w.scrape_error = error
         if metrics is None:
             return
-        w.metrics = metrics
+        # The waiting requests beyond those this router had pending are someone else's.
+        w.metrics = metrics = replace(metrics, router_pending=w.pending_requests)
         if metrics.waiting > 0:
             w.batch_cap_seen = max(w.batch_cap_seen, metrics.running)
         if metrics.num_blocks:

@@ -52,7 +52,7 @@ class PredictorConfig:
     lower: tuple[float, ...] = (0.0, 0.002, 0.0, 0.0)
     upper: tuple[float, ...] = (10_000.0, 5.0, 100.0, 10_000.0)
     memory: int = 400  # observations per worker the fit uses (older ones age out)
-    refit_every: int = 8  # observations between refits (a refit is ~0.1 ms of numpy)
+    refit_every: int = 16  # observations between refits (a refit is ~0.2 ms of numpy)
     huber_k: float = 2.0  # residuals beyond k robust scales are down-weighted
     irls_rounds: int = 3
     warmup: int = 16  # observations of a worker before its fit replaces the prior
@@ -77,8 +77,8 @@ class WorkerFit:
     prior: np.ndarray
     prior_sd: np.ndarray
     theta: np.ndarray
-    xs: deque[tuple[float, ...]]
-    ys: deque[float]
+    xs: np.ndarray  # ring buffer of the last ``memory`` feature rows…
+    ys: np.ndarray  # …and their targets
     scale_ms: float = 0.0  # robust residual scale of the last refit (1.4826 × MAD)
     n: int = 0
     outliers: int = 0  # observations down-weighted in the last refit
@@ -88,26 +88,28 @@ class WorkerFit:
         p = np.array([prior.base_ms, prior.prefill_ms_per_token, prior.ms_per_running,
                       prior.ms_per_queued])
         sd = np.concatenate(([cfg.base_spread_ms], cfg.prior_spread * np.maximum(p[1:], 1e-3)))
-        return cls(prior=p, prior_sd=sd, theta=p.copy(), xs=deque(maxlen=cfg.memory),
-                   ys=deque(maxlen=cfg.memory))
+        return cls(prior=p, prior_sd=sd, theta=p.copy(), xs=np.zeros((cfg.memory, N)),
+                   ys=np.zeros(cfg.memory))
 
     def params(self) -> TTFTParams:
         return TTFTParams(*(float(v) for v in self.theta))
 
     def update(self, x: tuple[float, ...], y: float, cfg: PredictorConfig) -> float:
         """One observation; returns its a priori residual (measured − predicted)."""
-        r = y - float(np.dot(self.theta, x))
-        self.xs.append(x)
-        self.ys.append(y)
+        th = self.theta
+        r = y - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3])
+        i = self.n % len(self.ys)
+        self.xs[i] = x
+        self.ys[i] = y
         self.n += 1
         if self.n % cfg.refit_every == 0 or self.n == cfg.warmup:
             self.refit(cfg)
-        return r
+        return float(r)
 
     def refit(self, cfg: PredictorConfig) -> None:
-        x = np.asarray(self.xs, dtype=float)
-        y = np.asarray(self.ys, dtype=float)
-        w = np.ones(len(y))
+        k = min(self.n, len(self.ys))
+        x, y = self.xs[:k], self.ys[:k]
+        w = np.ones(k)
         lo, hi = np.asarray(cfg.lower), np.asarray(cfg.upper)
         scale = max(self.scale_ms, 1.0)
         theta = self.theta
@@ -124,8 +126,13 @@ class WorkerFit:
 def _bounded_ridge(x: np.ndarray, y: np.ndarray, w: np.ndarray, ridge: np.ndarray,
                    prior: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """argmin Σ w (y − xθ)² + Σ ridge (θ − prior)² within [lo, hi], by an active set."""
-    a = (x * w[:, None]).T @ x + np.diag(ridge)
-    b = (x * w[:, None]).T @ y + ridge * prior
+    xw = x.T * w
+    a = xw @ x
+    a[np.diag_indices_from(a)] += ridge
+    b = xw @ y + ridge * prior
+    sol = np.linalg.solve(a, b)
+    if np.all(sol >= lo) and np.all(sol <= hi):  # the usual case: no bound binds
+        return sol
     theta = np.clip(prior, lo, hi)
     free = np.ones(len(prior), dtype=bool)
     for _ in range(len(prior)):
@@ -177,8 +184,8 @@ class TTFTPredictor(Plugin):
         if w is None:
             return
         c = decision.winner
-        # The features as priced: pending counts are those before this request was booked.
-        x = (1.0, float(decision.uncached_tokens + c.pending_prefill_tokens), float(c.running),
+        # The features exactly as priced (before this request was booked).
+        x = (1.0, float(decision.uncached_tokens + c.ahead_tokens), float(c.running),
              float(c.queued))
         self._pending[decision.id] = _Routed(w, x, c.kv_ms, c.predicted_ttft_ms)
         if decision.chosen not in self.fits:

@@ -84,7 +84,7 @@ class Router:
         worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
         pool.directory.insert(decision.chosen, fp.hashes)
-        pool.note_arrival(now)
+        pool.note_arrival(now, decision.uncached_tokens)
         pool.policy.on_routed(decision, pool)
         for plugin in self.plugins:
             plugin.on_routed(decision, pool)
@@ -108,10 +108,11 @@ class Router:
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
             uncached = fp.tokens - matched_tokens
             p = ttft_params(w, cost)
-            f = features(load, w, uncached, cost)
+            f = features(load, w, uncached, pool.typical_uncached, cost)
             c = Candidate(
                 worker=addr, matched_blocks=blocks, matched_tokens=matched_tokens,
                 waiting=load.waiting, running=load.running, queued=f.queued,
+                ahead_tokens=f.prefill_tokens - uncached,
                 inflight=w.inflight, kv_usage=load.kv_usage,
                 metrics_age_ms=None if load.age_s is None else load.age_s * 1000.0,
                 saved_ms=matched_tokens * p.prefill_ms_per_token,
@@ -132,7 +133,7 @@ class Router:
                 c.eligible, c.filtered = False, "full"
             cands.append(c)
         d = self._pick(pool, model, fp, now, decision_id, cands, req)
-        d.arrival_rate = rate
+        d.arrival_rate, d.typical_uncached = rate, pool.typical_uncached
         return d
 
     def _pick(self, pool: Pool, model: str, fp: Fingerprint, now: float, decision_id: str,

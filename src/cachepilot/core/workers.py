@@ -17,6 +17,9 @@ class WorkerMetrics:
     prefix_queries: float | None = None  # tokens, cumulative
     prefix_hits: float | None = None
     scraped_at: float = 0.0  # caller's clock
+    # Requests this router had sent there without a first token when the scrape was stored
+    # (set by Pool.update_metrics): the waiting requests beyond it are someone else's.
+    router_pending: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,8 @@ class Replayer:
         pool = self.pool
         pool.spec = spec
         pool.seq = record["seq"]
-        pool.set_arrival_rate(record.get("arrival_rate", 0.0), record["time"])
+        pool.restore_traffic(record.get("arrival_rate", 0.0), record["time"],
+                             record.get("typical_uncached", 0.0))
         pool.workers = {}
         pool.directory = PrefixDirectory(default_capacity=len(hashes) + 1)
         for c in record_to_candidates(record):

@@ -113,7 +113,8 @@ def report(data: dict[str, Any], stats: dict[str, Any], figs: list[str]) -> str:
          f"`cachepilot experiment peers --seeds {data['seeds']}`: {len(data['results'])} "
          f"(workload, seed) tasks, {n_req:,} simulated requests in {data['wall_s']:.0f} s.",
          "",
-         f"Default policy: `{DEFAULT}` (lowest predicted TTFT, learned per worker). Peers are "
+         f"Default policy: `{DEFAULT}` (the lowest predicted TTFT, each worker's model learned "
+         "online, plus the congestion its prefill causes). Peers are "
          "modelled from their own code (docs/simulator.md). Each seed draws the workload once "
          "and every policy serves the same requests; a difference is the default's minus the "
          "peer's, mean over seeds with its paired 95% interval, relative to the peer's mean: "
@@ -143,48 +144,51 @@ def report(data: dict[str, Any], stats: dict[str, Any], figs: list[str]) -> str:
     return "\n".join(L)
 
 
-def plot(stats: dict[str, Any], out: Path) -> list[str]:
-    figs = []
-    names = list(stats)
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
-        vs = stats[name]["vs"]
-        peers = list(vs)
-        for j, k in enumerate(METRICS):
-            m = np.array([vs[p][k]["rel"] for p in peers]) * 100
-            lo = np.array([vs[p][k]["rel_lo"] for p in peers]) * 100
-            hi = np.array([vs[p][k]["rel_hi"] for p in peers]) * 100
-            y = np.arange(len(peers)) + (j - 1) * 0.25
-            ax.errorbar(m, y, xerr=[m - lo, hi - m], fmt="o", ms=4, capsize=3,
-                        label=k.replace("ttft_", "").replace("_s", ""))
-        ax.axvline(0, color="k", lw=0.8)
-        ax.set_yticks(np.arange(len(peers)), peers, fontsize=8)
-        ax.set_xlabel(f"{DEFAULT} − peer, % of peer (95% CI)")
-        ax.set_title(name)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "paired_differences.png", dpi=110)
-    plt.close(fig)
-    figs.append("paired_differences.png")
+def _label(metric: str) -> str:
+    return metric.replace("ttft_", "").replace("_s", "")
 
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
-        t = stats[name]["table"]
-        pols = list(t)
-        for j, k in enumerate(METRICS):
-            m = np.array([t[p][k]["mean"] for p in pols]) * 1000
-            ax.bar(np.arange(len(pols)) + (j - 1) * 0.27, m, width=0.27,
-                   label=k.replace("ttft_", "").replace("_s", ""))
-        ax.set_yscale("log")
-        ax.set_xticks(np.arange(len(pols)), pols, rotation=60, ha="right", fontsize=8)
-        ax.set_ylabel("TTFT (ms)")
-        ax.set_title(name)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "ttft_by_policy.png", dpi=110)
-    plt.close(fig)
-    figs.append("ttft_by_policy.png")
+
+def _paired_panel(ax: Any, st: dict[str, Any]) -> None:
+    vs = st["vs"]
+    peers = list(vs)
+    for j, k in enumerate(METRICS):
+        m = np.array([vs[p][k]["rel"] for p in peers]) * 100
+        lo = np.array([vs[p][k]["rel_lo"] for p in peers]) * 100
+        hi = np.array([vs[p][k]["rel_hi"] for p in peers]) * 100
+        ax.errorbar(m, np.arange(len(peers)) + (j - 1) * 0.25, xerr=[m - lo, hi - m], fmt="o",
+                    ms=4, capsize=3, label=_label(k))
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(np.arange(len(peers)), peers, fontsize=8)
+    ax.set_xlabel(f"{DEFAULT} − peer, % of peer (95% CI)")
+    ax.grid(alpha=0.3)
+
+
+def _ttft_panel(ax: Any, st: dict[str, Any]) -> None:
+    t = st["table"]
+    pols = list(t)
+    for j, k in enumerate(METRICS):
+        ax.bar(np.arange(len(pols)) + (j - 1) * 0.27,
+               np.array([t[p][k]["mean"] for p in pols]) * 1000, width=0.27, label=_label(k))
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(pols)), pols, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("TTFT (ms)")
+
+
+def plot(stats: dict[str, Any], out: Path) -> list[str]:
+    """One PNG per view, a panel per workload."""
+    figs = []
+    for name, panel in (("paired_differences.png", _paired_panel),
+                        ("ttft_by_policy.png", _ttft_panel)):
+        fig, axes = plt.subplots(1, len(stats), figsize=(4.2 * len(stats), 4.2),
+                                 squeeze=False)
+        for ax, (wl, st) in zip(axes[0], stats.items(), strict=True):
+            panel(ax, st)
+            ax.set_title(wl)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        figs.append(name)
     return figs
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 from rich.progress import Progress
 
 from cachepilot.sim.workloads import Dist, SimRequest, WorkloadSpec, generate
 from cachepilot.tooling.loadgen import chat_body, run, summarize
+from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig
 
 PHASES = (("round_robin", "round_robin"), ("cachepilot", "priced"))
@@ -38,7 +40,20 @@ def run_phase(policy: str, reqs: list[SimRequest], progress: Progress, task_labe
     with LocalStack(config) as stack:
         results, wall = asyncio.run(run(stack.url, [r.arrival for r in reqs], bodies,
                                         lambda done, _n: progress.update(task, completed=done)))
-        return summarize(results, wall), str(stack.log_dir)
+        return summarize(results, wall) | predictor_accuracy(stack), str(stack.log_dir)
+
+
+def predictor_accuracy(stack: LocalStack) -> dict[str, Any]:
+    """The gateway's TTFT predictor over the phase: median and p90 |measured − predicted|,
+    relative to the measured TTFT (its ``GET /predictor``)."""
+    status, body = http_get(stack.admin_url + "/predictor", timeout=5.0)
+    if status != 200:
+        return {}
+    acc = orjson.loads(body)["accuracy"]["all"]
+    if not acc.get("n"):
+        return {}
+    return {"predictor_rel_error_p50": acc["rel_error_p50"],
+            "predictor_rel_error_p90": acc["rel_error_p90"], "predictor_observations": acc["n"]}
 
 
 def run_demo(spec: WorkloadSpec, progress: Progress, decision_log: str | None = None,
