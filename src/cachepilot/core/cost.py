@@ -1,7 +1,7 @@
 """The cost model: the time to first token (TTFT) a request would see on each worker, in ms.
 
 A worker's predicted TTFT for a request is a linear model of what stands between the request
-and its first token there (:class:`Features`)::
+and its first token there (:func:`ahead_of`)::
 
     ttft ≈ base + prefill_ms_per_token × (its uncached tokens + prefill queued ahead of it)
                 + ms_per_running × sequences decoding in the batch it joins
@@ -73,7 +73,8 @@ class Weights:
     kv: float = 1.0
 
     def to_dict(self) -> dict[str, float]:
-        return asdict(self)
+        # Every decision records its weights: a literal, as asdict() costs ~20 µs.
+        return {"prefill": self.prefill, "load": self.load, "kv": self.kv}
 
 
 def parse_overrides(text: str | None, cls: type, what: str) -> dict[str, float]:
@@ -107,19 +108,6 @@ def parse_cost(text: str | None) -> dict[str, float]:
 
 
 @dataclass(frozen=True, slots=True)
-class Features:
-    """What stands between a request and its first token on one worker."""
-
-    prefill_tokens: int  # its uncached tokens + prefill this router queued there before it
-    running: int  # sequences in the batch it joins
-    queued: int  # requests waiting for admission ahead of it (and itself, if the batch is full)
-
-    def vector(self) -> tuple[float, float, float, float]:
-        """(1, prefill tokens, running, queued): the predictor's regressors."""
-        return (1.0, float(self.prefill_tokens), float(self.running), float(self.queued))
-
-
-@dataclass(frozen=True, slots=True)
 class Load:
     """A worker's load as the router believes it, stale metrics already made pessimistic."""
 
@@ -146,34 +134,28 @@ def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
                 kv_usage=m.kv_usage if m.kv_usage is not None else 0.0, stale=False, age_s=age)
 
 
-def features(load: Load, worker: WorkerState, uncached_tokens: int, typical_uncached: float,
-             cost: CostModel) -> Features:
-    """The request's features on ``worker``. Waiting requests count twice over, on purpose:
-    their prefill is in the prefill term (exact for those this router sent; a typical
-    request's for the others the last scrape saw), and each also costs its admission (a
-    scheduler step when the token budget is the limit, a finishing sequence when the batch
-    is full), priced per worker by the predictor. Once the batch is full (its size
-    configured), this request waits for a slot too."""
+def ahead_of(load: Load, worker: WorkerState, typical_uncached: float,
+             cost: CostModel) -> tuple[int, int]:
+    """What is ahead of a new request on ``worker``: (prefill tokens, requests waiting for
+    admission). Waiting requests count in both, on purpose: their prefill (exact for those
+    this router sent; a typical request's for the others the last scrape saw) and their
+    admission (a scheduler step when the token budget is the limit, a finishing sequence
+    when the batch is full), each priced per worker by the predictor. Once the batch is full
+    (its size configured), the new request waits for a slot too."""
+    m = worker.metrics
+    foreign = 0 if m is None else max(0, m.waiting - m.router_pending)
+    ahead = worker.pending_prefill_tokens + round(foreign * typical_uncached)
     # Only a configured batch size says the batch is full: the size learned from scrapes
     # (batch_cap_seen) is often lower, since engines with chunked prefill queue requests for
     # the token budget long before every batch slot is taken.
     full = bool(cost.max_batch) and load.running >= cost.max_batch
-    m = worker.metrics
-    foreign = 0 if m is None else max(0, m.waiting - m.router_pending)
-    ahead = worker.pending_prefill_tokens + round(foreign * typical_uncached)
-    return Features(uncached_tokens + ahead, load.running, load.waiting + full)
+    return ahead, load.waiting + full
 
 
-def ttft_params(worker: WorkerState, cost: CostModel) -> TTFTParams:
-    """The worker's learned TTFT model, or the cost model's prior."""
-    return worker.ttft or cost.ttft
-
-
-def queue_ms(f: Features, uncached_tokens: int, p: TTFTParams) -> float:
-    """Everything ahead of the request: queued prefill, decode interference, unseen queue."""
-    ahead = f.prefill_tokens - uncached_tokens
-    return (ahead * p.prefill_ms_per_token + f.running * p.ms_per_running
-            + f.queued * p.ms_per_queued)
+def queue_ms(ahead_tokens: int, running: int, queued: int, p: TTFTParams) -> float:
+    """Everything ahead of the request: queued prefill, decode interference, admission."""
+    return (ahead_tokens * p.prefill_ms_per_token + running * p.ms_per_running
+            + queued * p.ms_per_queued)
 
 
 def congestion_ms_of(prefill_ms: float, arrivals_per_ms: float, cost: CostModel) -> float:

@@ -1,7 +1,7 @@
 """The TTFT predictor: each worker's TTFT model, learned online from measured first tokens.
 
 The router predicts a worker's TTFT for a request as a linear model of its features
-(:class:`~cachepilot.core.cost.Features`)::
+(:func:`~cachepilot.core.cost.ahead_of`)::
 
     ttft − KV pressure ≈ θ · (1, prefill tokens, running, queued)
 

@@ -10,12 +10,11 @@ from xxhash import xxh3_64_intdigest
 from cachepilot.core.cost import (
     CostModel,
     Weights,
+    ahead_of,
     congestion_ms_of,
     effective_load,
-    features,
     kv_pressure_ms,
     queue_ms,
-    ttft_params,
 )
 from cachepilot.core.decision import Candidate, Decision, RoutingError
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer, fingerprint
@@ -101,23 +100,24 @@ class Router:
         rate = pool.arrival_rate(now)
         # Arrivals per ms at one worker, if the pool's recent rate spread evenly.
         lam = rate / 1000.0 / max(1, len(pool.workers))
+        prior = cost.ttft  # a worker's model until the predictor has learned its own
+        typical = pool.typical_uncached
         cands: list[Candidate] = []
         for addr, w in pool.workers.items():
             load = effective_load(w, now, cost)
             blocks = matches.get(addr, 0)
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
             uncached = fp.tokens - matched_tokens
-            p = ttft_params(w, cost)
-            f = features(load, w, uncached, pool.typical_uncached, cost)
+            p = w.ttft or prior
+            ahead, queued = ahead_of(load, w, typical, cost)
             c = Candidate(
                 worker=addr, matched_blocks=blocks, matched_tokens=matched_tokens,
-                waiting=load.waiting, running=load.running, queued=f.queued,
-                ahead_tokens=f.prefill_tokens - uncached,
-                inflight=w.inflight, kv_usage=load.kv_usage,
+                waiting=load.waiting, running=load.running, queued=queued,
+                ahead_tokens=ahead, inflight=w.inflight, kv_usage=load.kv_usage,
                 metrics_age_ms=None if load.age_s is None else load.age_s * 1000.0,
                 saved_ms=matched_tokens * p.prefill_ms_per_token,
                 prefill_ms=uncached * p.prefill_ms_per_token,
-                queue_ms=queue_ms(f, uncached, p),
+                queue_ms=queue_ms(ahead, load.running, queued, p),
                 kv_ms=kv_pressure_ms(load, fp.blocks - blocks, w, cost),
                 congestion_ms=congestion_ms_of(uncached * p.prefill_ms_per_token, lam, cost),
                 ready=w.ready, metrics=w.metrics, pending_requests=w.pending_requests,
