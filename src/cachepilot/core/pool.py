@@ -41,6 +41,8 @@ class Pool:
         self._rate_at = 0.0
         self.typical_uncached = 0.0
 
+    # Bursts come and go within seconds: a longer window would still be pricing the lull
+    # when a burst's first requests need the congestion term.
     RATE_WINDOW_S = 2.0
 
     def arrival_rate(self, now: float) -> float:
