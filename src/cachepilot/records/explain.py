@@ -110,6 +110,8 @@ _ROWS: tuple[tuple[str, Any], ...] = (
     ("queue ms", lambda c: _fmt_ms(c["queue_ms"])),
     ("KV pressure ms", lambda c: _fmt_ms(c["kv_ms"])),
     ("predicted TTFT ms", lambda c: _fmt_ms(c["predicted_ttft_ms"])),
+    # Not this request's TTFT: the delay its prefill would add to later arrivals there.
+    ("congestion ms", lambda c: _fmt_ms(c.get("congestion_ms", 0.0))),
     ("value", lambda c: f"{c['value']:.1f}" if c["eligible"] else "–"),
 )
 
