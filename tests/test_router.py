@@ -153,3 +153,29 @@ def test_removed_worker_gets_nothing() -> None:
     r.pools["default"].remove_worker(d.chosen)
     for i in range(10):
         assert r.route(req(str(i)), 100.0).chosen != d.chosen
+
+
+def test_heterogeneous_workers_under_unit_weights_go_to_the_lowest_predicted_ttft() -> None:
+    """Per-worker learned models (one worker 4× slower at prefill, one with a slow base):
+    with unit weights the pick is always the lowest predicted TTFT, whatever holds the
+    prefix (the old priced value, saved − queue − kv, chose 192.9 ms over 103.0 ms here)."""
+    from cachepilot.core.workers import TTFTParams
+
+    r = make_router()
+    pool = r.pools["default"]
+    pool.workers[WORKERS[0]].ttft = TTFTParams(15.0, 0.32, 0.2, 50.0)  # slow prefill, cached
+    pool.workers[WORKERS[1]].ttft = TTFTParams(80.0, 0.04, 0.2, 50.0)  # fast prefill, slow base
+    pool.directory.insert(WORKERS[0], r.fingerprint(req("x"), pool).hashes[:60])
+    old_would_differ = 0
+    for i in range(30):
+        pool.update_metrics(WORKERS[2], WorkerMetrics(waiting=i % 4, running=i % 9,
+                                                      scraped_at=100.0, kv_usage=0.1))
+        d = r.decide(pool, "m", r.fingerprint(req(str(i)), pool), 100.0, f"d{i}")
+        best = min(c.predicted_ttft_ms for c in d.candidates)
+        assert d.winner.congestion_ms == 0.0  # nothing routed yet: no arrival rate
+        assert d.winner.predicted_ttft_ms <= best + 0.5  # the tie tolerance
+        old = max(d.candidates, key=lambda c: c.saved_ms - c.queue_ms - c.kv_ms)
+        old_would_differ += old.worker != d.chosen
+    assert old_would_differ > 0
+    cached = next(c for c in d.candidates if c.worker == WORKERS[0])
+    assert cached.matched_blocks == 60 and cached.saved_ms > 0
