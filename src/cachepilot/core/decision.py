@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from cachepilot.core.request import RequestError
@@ -72,7 +72,6 @@ class Decision:
     finished: bool = False  # released: the lifecycle's end has been reported
     arrival_rate: float = 0.0  # the pool's recent requests/s, which prices congestion
     typical_uncached: float = 0.0  # what a waiting request someone else sent is assumed to be
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the adaptive weight in force
 
     @property
     def winner(self) -> Candidate:

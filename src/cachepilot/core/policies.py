@@ -41,13 +41,6 @@ class Policy(Plugin):
     def bind(self, pool: Any) -> None:
         """Called once, when the policy is attached to a pool (to read its settings)."""
 
-    def state(self) -> dict[str, float]:
-        """Learned state this decision used, recorded with it (``Decision.extra``)."""
-        return {}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """Set the learned state a recorded decision used, so replay decides as it did."""
-
 
 class RoundRobin(Policy):
     """Each eligible worker in turn (by address), ignoring caches and load."""

@@ -154,7 +154,6 @@ class Router:
             weights=pool.spec.weights.to_dict(), seq=ctx.seq, tokens=fp.tokens,
             block_size=fp.block_size, hashes=fp.hashes, candidates=cands,
             chosen=chosen.worker, margin_ms=margin, reason=_reason(chosen, eligible, margin),
-            extra=pool.policy.state(),
         )
 
     @staticmethod

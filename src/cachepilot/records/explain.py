@@ -169,7 +169,7 @@ def render(record: Mapping[str, Any], console: Console) -> None:
     for line in outcome_lines(record):
         console.print(line)
     console.print(f"why: {plain_reason(record)}")
-    if record.get("extra"):
+    if record.get("extra"):  # schema 1: a policy's learned state (the adaptive weight)
         console.print(f"extra: {record['extra']}")
 
 

@@ -84,8 +84,6 @@ class Replayer:
             pool.directory.add_worker(c.worker)
             pool.directory.insert(c.worker, hashes[:c.matched_blocks])
         self.router.pools = {pool.name: pool}
-        if self.policy.name == record["policy"]:
-            self.policy.restore(record.get("extra") or {})
         return Fingerprint(hashes, record["tokens"], record["block_size"])
 
     def decide(self, record: Mapping[str, Any]) -> Decision | None:

@@ -96,7 +96,6 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
         "predicted_ttft_ms": winner.predicted_ttft_ms if winner else None,
         "predicted_hit": bool(winner and winner.matched_blocks > 0),
         "predicted_cached_tokens": winner.matched_tokens if winner else 0,
-        "extra": dict(decision.extra),
     }
     if cost is not None:
         rec["cost"] = dict(cost)
