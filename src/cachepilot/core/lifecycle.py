@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # annotations only: pool → policies → lifecycle would be 
 # What a measured ``ttft_ms`` means: a real first token (a streamed response's first chunk,
 # or a simulated engine's first token), or a non-streamed response's first byte (TTFT plus
 # the whole generation: not a TTFT, never learned from).
-TTFT_KINDS = ("first_token", "first_byte")
+FIRST_TOKEN, FIRST_BYTE = "first_token", "first_byte"
+TTFT_KINDS = (FIRST_TOKEN, FIRST_BYTE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from cachepilot.core.decision import Decision
-from cachepilot.core.lifecycle import Outcome
+from cachepilot.core.lifecycle import FIRST_BYTE, FIRST_TOKEN, Outcome
 from cachepilot.core.request import RequestError, inference_path, parse_openai_body
 from cachepilot.core.router import Router
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
@@ -252,7 +252,7 @@ class Processor:
         ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
         outcome = Outcome(status=ex.status, aborted=aborted,
                           ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
-                          ttft_kind="first_token" if ex.stream else "first_byte",
+                          ttft_kind=FIRST_TOKEN if ex.stream else FIRST_BYTE,
                           cached_tokens=ex.cached_tokens)
         self.router.release(d, outcome)
         if not self.options.observe_responses:

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from cachepilot.core.lifecycle import FIRST_TOKEN
 from cachepilot.core.policies import make_policy
 from cachepilot.records.store import Store
 
@@ -139,7 +140,7 @@ def outcome_lines(record: Mapping[str, Any]) -> list[str]:
         lines.append(f"TTFT: predicted {_fmt_ms(pred)} ms; measured: no outcome recorded")
     else:
         kind = out.get("ttft_kind", "?")
-        note = "" if kind == "first_token" else ", not streamed: includes generation"
+        note = "" if kind == FIRST_TOKEN else ", not streamed: includes generation"
         lines.append(f"TTFT: predicted {_fmt_ms(pred)} ms, measured {ttft:.1f} ms "
                      f"({kind}{note}), error {ttft - (pred or 0.0):+.1f} ms")
     cached = out.get("cached_tokens")

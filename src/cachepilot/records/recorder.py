@@ -23,6 +23,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from cachepilot.core.decision import Decision
+from cachepilot.core.lifecycle import FIRST_TOKEN
 from cachepilot.records.schema import (
     OUTCOME_FIELDS,
     clean_outcome,
@@ -68,8 +69,6 @@ def recorder_metrics(registry: CollectorRegistry | None = None) -> RecorderMetri
 
 
 _STOP = object()
-# ttft_kind values whose ttft_ms is a real time to first token
-TTFT_KINDS = frozenset({"first_token"})
 
 
 class Recorder:
@@ -145,7 +144,7 @@ class Recorder:
         self.decision(decision, pool)
         if outcome is not None:
             fields = _outcome_fields(outcome)
-            fields.setdefault("ttft_kind", "first_token")  # a simulated engine's first token
+            fields.setdefault("ttft_kind", FIRST_TOKEN)  # a simulated engine's first token
             self.outcome(decision.id, **fields)
 
     def _cost_dict(self, cost: Any) -> dict[str, Any]:

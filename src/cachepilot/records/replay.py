@@ -25,11 +25,11 @@ from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.decision import Decision, RoutingError
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint
+from cachepilot.core.lifecycle import FIRST_TOKEN
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.router import Router
 from cachepilot.core.workers import WorkerState
-from cachepilot.records.recorder import TTFT_KINDS
 from cachepilot.records.schema import hash_int, record_to_candidates
 
 _COST_FIELDS = {f.name for f in fields(CostModel)}
@@ -221,7 +221,7 @@ def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
                 report.changes.append(r)
         outcome = rec.get("outcome") or {}
         if (not r.changed and outcome.get("ttft_ms") is not None
-                and outcome.get("ttft_kind") in TTFT_KINDS):
+                and outcome.get("ttft_kind") == FIRST_TOKEN):
             rp.policy.on_first_token(decision, outcome["ttft_ms"])  # a learning policy learns
     return report
 

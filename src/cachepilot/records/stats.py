@@ -16,7 +16,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from cachepilot.records.recorder import TTFT_KINDS
+from cachepilot.core.lifecycle import FIRST_TOKEN
 
 
 def ttft_summary(ttfts_s: Iterable[float]) -> dict[str, float]:
@@ -63,7 +63,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         if out.get("cached_tokens") is not None:
             hit_pairs.append((bool(rec.get("predicted_hit")), out["cached_tokens"] > 0))
         ttft = out.get("ttft_ms")
-        if (ttft is not None and out.get("ttft_kind") in TTFT_KINDS
+        if (ttft is not None and out.get("ttft_kind") == FIRST_TOKEN
                 and rec.get("predicted_ttft_ms") is not None):
             pred_ttft.append(rec["predicted_ttft_ms"])
             meas_ttft.append(ttft)
@@ -167,7 +167,7 @@ def plot(records: Iterable[Mapping[str, Any]], path: str) -> None:
     summary = summarize(recs)
     pts = [(r["time"], r["predicted_ttft_ms"], r["outcome"]["ttft_ms"]) for r in recs
            if r.get("outcome") and r["outcome"].get("ttft_ms") is not None
-           and r["outcome"].get("ttft_kind") in TTFT_KINDS]
+           and r["outcome"].get("ttft_kind") == FIRST_TOKEN]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     ax = axes[0]
     if pts:

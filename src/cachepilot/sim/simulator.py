@@ -35,8 +35,8 @@ from cachepilot.core import (
     Weights,
     WorkerMetrics,
 )
+from cachepilot.core.lifecycle import FIRST_TOKEN, Plugin
 from cachepilot.core.lifecycle import Outcome as RequestOutcome
-from cachepilot.core.lifecycle import Plugin
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
@@ -221,7 +221,7 @@ class Simulator:
                     out.finished_at = er.finished_at
                     router.release(d, RequestOutcome(
                         status=200, ttft_ms=None if out.ttft_s is None else out.ttft_s * 1000.0,
-                        ttft_kind="first_token", cached_tokens=out.cached_tokens))
+                        ttft_kind=FIRST_TOKEN, cached_tokens=out.cached_tokens))
                     outcomes.append(out)
                     remaining -= 1
                     if self.on_decision is not None:
