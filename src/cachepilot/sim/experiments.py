@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 
 from cachepilot.core import CostModel, Weights
 from cachepilot.sim.measures import summarize, ttft_sample
-from cachepilot.sim.parallel import run_tasks
+from cachepilot.sim.parallel import process_count, run_tasks
 from cachepilot.sim.simulator import SimConfig, Simulator, ideal_ttfts
 from cachepilot.sim.stats import ci95, paired
 from cachepilot.sim.workloads import WorkloadSpec, generate
@@ -284,7 +283,7 @@ def run_all(seeds: int, processes: int | None = None,
     tasks = [(name, seed) for seed in range(seeds) for name in plan()]
     weight = {n: len(v) for n, v in plan().items()}
     tasks.sort(key=lambda t: -weight[t[0]])
-    procs = processes or min(2, os.cpu_count() or 1)
+    procs = process_count(processes)
     t0 = time.perf_counter()
     results = run_tasks(run_task, tasks, procs, progress, lambda t: f"{t[0]} seed {t[1]}")
     wall = time.perf_counter() - t0

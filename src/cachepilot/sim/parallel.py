@@ -10,12 +10,17 @@ from typing import Any
 Progress = Callable[[int, int, str], None]
 
 
+def process_count(processes: int | None = None) -> int:
+    """The processes a study runs on: as asked, or up to 2 (the machines this runs on)."""
+    return processes or min(2, os.cpu_count() or 1)
+
+
 def run_tasks(fn: Callable[[Any], dict[str, Any]], tasks: Sequence[Any],
               processes: int | None = None, progress: Progress | None = None,
               label: Callable[[Any], str] = str) -> list[dict[str, Any]]:
-    """``fn`` over ``tasks`` on ≤ ``processes`` processes (default: up to 2), in any order.
-    Put the longest tasks first: it keeps every process busy to the end."""
-    procs = processes or min(2, os.cpu_count() or 1)
+    """``fn`` over ``tasks`` on :func:`process_count` processes, in any order. Put the
+    longest tasks first: it keeps every process busy to the end."""
+    procs = process_count(processes)
     out: list[dict[str, Any]] = []
     if procs > 1:
         ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
