@@ -114,3 +114,7 @@ class Pool:
             engine_block = metrics.block_size or self.spec.block.block_size
             capacity = metrics.num_blocks * engine_block // self.spec.block.block_size
             self.directory.set_capacity(address, capacity)
+        if metrics.slots:
+            slot_tokens = metrics.slot_tokens or self.spec.block.block_size
+            self.directory.set_slots(address, metrics.slots,
+                                     max(1, slot_tokens // self.spec.block.block_size))

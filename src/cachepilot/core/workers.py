@@ -16,6 +16,10 @@ class WorkerMetrics:
     num_blocks: int | None = None
     prefix_queries: float | None = None  # tokens, cumulative
     prefix_hits: float | None = None
+    # Slot engines (llama.cpp): each slot keeps the KV of the last prompt it served, up to
+    # its context. From the engine's /props; the directory then holds one chain per slot.
+    slots: int | None = None
+    slot_tokens: int | None = None
     scraped_at: float = 0.0  # caller's clock
     # Requests this router had sent there without a first token when the scrape was stored
     # (set by Pool.update_metrics): the waiting requests beyond it are someone else's.
