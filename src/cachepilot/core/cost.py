@@ -158,12 +158,16 @@ def queue_ms(ahead_tokens: int, running: int, queued: int, p: TTFTParams) -> flo
             + queued * p.ms_per_queued)
 
 
-def congestion_ms_of(prefill_ms: float, arrivals_per_ms: float, cost: CostModel) -> float:
+def congestion_ms_of(prefill_ms: float, arrivals_per_ms: float, backlog_ms: float,
+                     cost: CostModel) -> float:
     """The delay a prefill of ``prefill_ms`` adds to the requests that arrive at the worker
-    while it runs: about ``λ·prefill`` of them, each waiting half of it on average. Not part
-    of this request's TTFT, but paid by the next ones: a placement that recomputes a prefix
-    cached elsewhere costs the pool capacity, which matters most in a burst."""
-    return cost.congestion_weight * arrivals_per_ms * prefill_ms * prefill_ms / 2.0
+    before it is done: those arriving while the backlog ahead of it drains (about
+    ``λ·backlog``) wait all of it, those arriving during it (``λ·prefill``) half on
+    average. Not part of this request's TTFT, but paid by the next ones: a placement that
+    recomputes a prefix cached elsewhere costs the pool capacity, and most on a worker that
+    is already behind (a burst, a cold start), where every later arrival pays it."""
+    return (cost.congestion_weight * arrivals_per_ms * prefill_ms
+            * (backlog_ms + prefill_ms / 2.0))
 
 
 def kv_pressure_ms(load: Load, new_blocks: int, worker: WorkerState, cost: CostModel) -> float:

@@ -110,16 +110,17 @@ class Router:
             uncached = fp.tokens - matched_tokens
             p = w.ttft or prior
             ahead, queued = ahead_of(load, w, typical, cost)
+            backlog_ms = queue_ms(ahead, load.running, queued, p)
+            prefill_ms = uncached * p.prefill_ms_per_token
             c = Candidate(
                 worker=addr, matched_blocks=blocks, matched_tokens=matched_tokens,
                 waiting=load.waiting, running=load.running, queued=queued,
                 ahead_tokens=ahead, inflight=w.inflight, kv_usage=load.kv_usage,
                 metrics_age_ms=None if load.age_s is None else load.age_s * 1000.0,
                 saved_ms=matched_tokens * p.prefill_ms_per_token,
-                prefill_ms=uncached * p.prefill_ms_per_token,
-                queue_ms=queue_ms(ahead, load.running, queued, p),
+                prefill_ms=prefill_ms, queue_ms=backlog_ms,
                 kv_ms=kv_pressure_ms(load, fp.blocks - blocks, w, cost),
-                congestion_ms=congestion_ms_of(uncached * p.prefill_ms_per_token, lam, cost),
+                congestion_ms=congestion_ms_of(prefill_ms, lam, backlog_ms, cost),
                 ready=w.ready, metrics=w.metrics, pending_requests=w.pending_requests,
                 pending_prefill_tokens=w.pending_prefill_tokens,
                 batch_cap_seen=w.batch_cap_seen, ttft_params=w.ttft,
