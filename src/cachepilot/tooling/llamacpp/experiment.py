@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,14 @@ from cachepilot.tooling.loadgen import Result, run
 from cachepilot.tooling.loadgen import summarize as loadgen_summary
 
 
-async def drive(stack: LlamaStack, reqs: list[SimRequest]) -> tuple[list[Result], float]:
+async def drive(stack: LlamaStack, reqs: list[SimRequest],
+                progress: Callable[[int, int], None] | None = None
+                ) -> tuple[list[Result], float]:
     """Send the requests through Envoy at their arrival times; join each answer with its
     decision record (the gateway's prediction)."""
     labelled = bodies(reqs)
     results, wall = await run(stack.url, [r.arrival for r in reqs],
-                              [b for _, b in labelled], timeout_s=600.0)
+                              [b for _, b in labelled], progress, timeout_s=600.0)
     for (doc, _), r in zip(labelled, results, strict=True):
         r.label = doc
         rec = await asyncio.to_thread(stack.decision, r.decision_id) if r.decision_id else None

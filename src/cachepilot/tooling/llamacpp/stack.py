@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost_args
+from cachepilot.tooling.llamacpp.routers import RouterSpec
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
     LlamaWorkerSpec,
@@ -32,7 +33,9 @@ class LlamaStack(LoopbackAddresses):
     Envoy comes from :class:`LocalStack` (no simulated workers, no gateway of its own); the
     gateway is ``cachepilot gateway --engine llamacpp`` with the calibrated CPU cost model
     (``--cost``), llama.cpp's scrape timing and a decision log whose records the admin API
-    serves at ``/decisions/{id}`` (the experiment reads predictions there)."""
+    serves at ``/decisions/{id}`` (the experiment reads predictions there). With ``peer``,
+    a peer router (sglang-router, vllm-router) fronts the same workers instead of the
+    gateway and Envoy, after the same start and warm-up."""
 
     workers: int = 2
     spec: LlamaWorkerSpec | None = None  # None: threads from the CPU budget, other defaults
@@ -45,6 +48,7 @@ class LlamaStack(LoopbackAddresses):
     typical_prompt: str | None = None  # or a typical (flattened) prompt, measured in tokens
     # the way the gateway estimates them (UTF-8 bytes / calibrated chars per token)
     log_dir: str | None = None
+    peer: RouterSpec | None = None
     model: Path | None = None
     processes: Processes = field(default_factory=lambda: Processes(Path()))
     worker_ports: list[int] = field(default_factory=list)
@@ -52,9 +56,12 @@ class LlamaStack(LoopbackAddresses):
     calibration: Calibration | None = None
     admin_port: int = 0
     gateway_port: int = 0
+    peer_port: int = 0
 
     @property
     def url(self) -> str:
+        if self.peer is not None:
+            return f"http://127.0.0.1:{self.peer_port}"
         assert self.envoy is not None
         return self.envoy.url
 
@@ -77,6 +84,9 @@ class LlamaStack(LoopbackAddresses):
             # Every worker gets the same cold warm-up; worker 0's numbers calibrate the gateway.
             cals = [calibrate(a) for a in self.worker_addresses]
             self.calibration = cals[0]
+            if self.peer is not None:
+                self._start_peer(self.peer, timeout_s)
+                return self
             self._start_gateway(timeout_s)
             # Envoy joins this stack's processes: one stop, one watch.
             self.envoy = LocalStack(StackConfig(workers=0, start_gateway=False, port=self.port,
@@ -108,6 +118,15 @@ class LlamaStack(LoopbackAddresses):
             str(Path(self.log_dir or ".") / "decisions")])
         self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
                                   gateway_admin_url=self.admin_url)
+
+    def _start_peer(self, peer: RouterSpec, timeout_s: float) -> None:
+        """The peer router as its own process; ready once its health check has found the
+        workers (``/readiness`` in sglang-router, ``/health`` in vllm-router)."""
+        self.peer_port = free_port()
+        urls = [f"http://{a}" for a in self.worker_addresses]
+        self.processes.spawn(peer.name, peer.args(self.peer_port, free_port(), urls))
+        ready = "readiness" if peer.kind == "sglang" else "health"
+        self.processes.wait_ready([f"{self.url}/{ready}"], timeout_s, poll_s=0.2)
 
     def decision(self, decision_id: str, timeout_s: float = 10.0,
                  with_outcome: bool = False) -> dict[str, Any] | None:

@@ -29,9 +29,10 @@ def requests(spec: WorkloadSpec = WORKLOAD, n: int = REQUESTS, seed: int = SEED
 
 
 def label(req: SimRequest) -> str:
-    """``shared-G`` for shared document G, ``unique-I`` for request I's own document."""
+    """``shared-G`` for shared document G, ``unique-I`` for request I's own document,
+    ``doc-D`` for a hotspot workload's document D."""
     kind, num = req.group[0], req.group[1:]
-    return f"shared-{num}" if kind == "g" else f"unique-{num}"
+    return {"g": "shared", "u": "unique", "d": "doc"}.get(kind, kind) + f"-{num}"
 
 
 def body(req: SimRequest) -> dict[str, Any]:

@@ -1,0 +1,211 @@
+"""The real-worker study's figures: per workload, each router's means over seeds with 95 %
+intervals, CachePilot's paired differences from every other router (same (workload, seed)
+cell = same requests), whether the issue's bar holds, a markdown report, a plot and JSON.
+
+A difference is called only when its paired 95 % interval excludes zero
+(:func:`cachepilot.sim.stats.paired`); otherwise it is "n.s.".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from cachepilot.sim.stats import ci95, paired
+from cachepilot.tooling.llamacpp.routers import ROUTERS
+
+OURS = "cachepilot"
+TTFT = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+COMPARED = (*TTFT, "token_hit_rate")  # paired against every other router
+TABLE = (*TTFT, "ttft_mean_s", "token_hit_rate", "imbalance", "errors")
+ALL = "all workloads"  # the pooled cells
+
+
+def _cells(phases: list[dict[str, Any]], workload: str | None) -> dict[tuple[str, int], dict]:
+    """(workload, seed) → router → phase, for cells where every router ran."""
+    out: dict[tuple[str, int], dict[str, dict]] = {}
+    for p in phases:
+        if workload is None or p["workload"] == workload:
+            out.setdefault((p["workload"], p["seed"]), {})[p["router"]] = p
+    return out
+
+
+def analyse(data: dict[str, Any]) -> dict[str, Any]:
+    """Per workload and pooled over all cells: ``table`` (router → metric → ci95) and
+    ``vs`` (other router → metric → paired(ours − theirs))."""
+    routers = list(data["config"]["routers"])
+    out: dict[str, Any] = {}
+    pooled = [ALL] if len(data["workloads"]) > 1 else []
+    for name in [*data["workloads"], *pooled]:
+        cells = _cells(data["phases"], None if name == ALL else name)
+        rows = [cells[k] for k in sorted(cells) if all(r in cells[k] for r in routers)]
+        if not rows:
+            continue
+
+        def vals(router: str, k: str, rows: list[dict] = rows) -> list[float]:
+            return [float("nan") if r[router][k] is None else r[router][k] for r in rows]
+
+        out[name] = {
+            "cells": len(rows),
+            "table": {r: {k: ci95(vals(r, k)) for k in TABLE} for r in routers},
+            "vs": {r: {k: paired(vals(OURS, k), vals(r, k)) for k in COMPARED}
+                   for r in routers if r != OURS} if OURS in routers else {}}
+        out[name]["bar"] = bar(out[name], routers)
+    return out
+
+
+def bar(st: dict[str, Any], routers: list[str]) -> dict[str, Any]:
+    """The issue's bar against the best peer router (sglang-/vllm-router) per measure:
+    CachePilot's median and p90 no worse and its hit rate no lower. ``means``: judged on the
+    means over seeds; ``not_worse``: no significant paired loss."""
+    peers = [r for r in routers if r in ROUTERS and ROUTERS[r].is_peer]
+    if OURS not in routers or not peers:
+        return {}
+    out = {}
+    for k, lower_better in (("ttft_p50_s", True), ("ttft_p90_s", True),
+                            ("token_hit_rate", False)):
+        sign = 1 if lower_better else -1
+        best = min(peers, key=lambda p: sign * st["table"][p][k]["mean"])
+        d = st["vs"][best][k]
+        worse = d["significant"] and sign * d["mean"] > 0
+        out[k] = {"best_peer": best, "ours": st["table"][OURS][k]["mean"],
+                  "theirs": st["table"][best][k]["mean"],
+                  "means": bool(sign * (st["table"][OURS][k]["mean"]
+                                        - st["table"][best][k]["mean"]) <= 0),
+                  "not_worse": not worse}
+    return out
+
+
+def verdict(d: dict[str, Any], lower_better: bool = True) -> str:
+    if not d["significant"]:
+        return "n.s."
+    return "**better**" if (d["mean"] < 0) == lower_better else "**worse**"
+
+
+def _ms(x: float) -> str:
+    return "–" if x != x else f"{x * 1000:.0f}"
+
+
+def report(data: dict[str, Any], stats: dict[str, Any], command: str, plot_name: str) -> str:
+    cfg = data["config"]
+    phases = data["phases"]
+    loads = [x for p in phases for x in p["loadavg_1m"]]
+    L = ["# CachePilot against sglang-router and vllm-router on real llama.cpp workers", "",
+         f"`{command}`", "",
+         f"{len(phases)} phases ({len(cfg['workloads'])} workloads × {len(cfg['seeds'])} seeds"
+         f" × {len(cfg['routers'])} routers), {cfg['requests']} requests each, "
+         f"{data['wall_s'] / 60:.1f} min wall. {cfg['workers']} llama-server workers "
+         "(Gemma 3 270M Q4_K_M), restarted for every phase (fresh caches, the same warm-up). "
+         "Every router of a (workload, seed) cell serves the same requests at the same "
+         "arrival times; the order of the routers rotates from cell to cell. 1-minute load "
+         f"average during the study: {min(loads):.1f}–{max(loads):.1f} (the machine is "
+         "shared: timings are noisy).", "",
+         "TTFT is measured at the client (first streamed token), in ms; the hit rate is the "
+         "workers' own cached prompt tokens over prompt tokens; imbalance is the busiest "
+         "worker's prompt tokens over the mean. Means over seeds with 95 % intervals. "
+         "Paired differences are CachePilot minus the other router, per cell, mean with "
+         "its 95 % interval (relative to the other router's mean for TTFT, absolute for the "
+         "hit rate); **better** / **worse** only when the interval excludes zero.", ""]
+    for name, st in stats.items():
+        spec = data["workloads"].get(name)
+        what = (f"{spec['kind']}, {spec['rate']:g} req/s" if spec else
+                f"every (workload, seed) cell, {st['cells']} pairs")
+        L += [f"## {name}", "", what + ".", "",
+              "| router | p50 ms | p90 ms | p99 ms | mean ms | hit rate | imbalance | errors |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r, t in st["table"].items():
+            L.append(f"| {r} | " + " | ".join(
+                f"{_ms(t[k]['mean'])} ± {_ms(t[k]['hi'] - t[k]['mean'])}" for k in TTFT)
+                + f" | {_ms(t['ttft_mean_s']['mean'])} | {t['token_hit_rate']['mean']:.3f} | "
+                f"{t['imbalance']['mean']:.2f} | {t['errors']['mean']:.1f} |")
+        if st["vs"]:
+            L += ["", "| CachePilot − | p50 | p90 | p99 | hit rate |", "|---|---|---|---|---|"]
+            for r, d in st["vs"].items():
+                cells = [f"{d[k]['rel']:+.0%} [{d[k]['rel_lo']:+.0%}, {d[k]['rel_hi']:+.0%}] "
+                         f"{verdict(d[k])}" for k in TTFT]
+                h = d["token_hit_rate"]
+                cells.append(f"{h['mean']:+.3f} [{h['lo']:+.3f}, {h['hi']:+.3f}] "
+                             f"{verdict(h, lower_better=False)}")
+                L.append(f"| {r} | " + " | ".join(cells) + " |")
+        if st["bar"]:
+            L += ["", "Against the best peer router per measure (the issue's bar):", ""]
+            for k, b in st["bar"].items():
+                fmt = _ms if k != "token_hit_rate" else (lambda x: f"{x:.3f}")
+                L.append(f"* {k.replace('ttft_', '').replace('_s', '')}: CachePilot "
+                         f"{fmt(b['ours'])} vs {b['best_peer']} {fmt(b['theirs'])}: "
+                         f"{'holds' if b['means'] else 'misses'} on the means, "
+                         f"{'no significant loss' if b['not_worse'] else 'a significant loss'}")
+        L.append("")
+    L += [f"![TTFT and hit rate by router, paired differences]({plot_name})", ""]
+    return "\n".join(L)
+
+
+def plot(data: dict[str, Any], stats: dict[str, Any], path: Path) -> None:
+    """A row per workload: TTFT by router (bars: means; dots: seeds), CachePilot's paired
+    TTFT differences (% of the other router, 95 % CI), hit rate by router."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in stats if n != ALL]
+    fig, axes = plt.subplots(len(names), 3, figsize=(15, 4.2 * len(names)), squeeze=False)
+    for row, name in zip(axes, names, strict=True):
+        st = stats[name]
+        routers = list(st["table"])
+        x = np.arange(len(routers))
+        cells = _cells(data["phases"], name)
+        for j, k in enumerate(TTFT):
+            off = (j - 1) * 0.27
+            row[0].bar(x + off, [st["table"][r][k]["mean"] * 1000 for r in routers],
+                       width=0.27, label=k[5:8], alpha=0.7)
+            for r_i, r in enumerate(routers):
+                ys = [c[r][k] * 1000 for c in cells.values() if r in c and c[r][k]]
+                row[0].plot([r_i + off] * len(ys), ys, "k.", ms=3)
+        row[0].set_xticks(x, routers, rotation=30, ha="right", fontsize=8)
+        row[0].set_ylabel("TTFT (ms)")
+        row[0].set_title(f"{name}: TTFT by router")
+        row[0].legend(fontsize=8)
+        vs = st["vs"]
+        others = list(vs)
+        for j, k in enumerate(TTFT):
+            m = np.array([vs[o][k]["rel"] for o in others]) * 100
+            lo = np.array([vs[o][k]["rel_lo"] for o in others]) * 100
+            hi = np.array([vs[o][k]["rel_hi"] for o in others]) * 100
+            row[1].errorbar(m, np.arange(len(others)) + (j - 1) * 0.25,
+                            xerr=[m - lo, hi - m], fmt="o", ms=4, capsize=3, label=k[5:8])
+        row[1].axvline(0, color="k", lw=0.8)
+        row[1].set_yticks(np.arange(len(others)), others, fontsize=8)
+        row[1].set_xlabel("CachePilot − router, % of router (95 % CI)")
+        row[1].set_title(f"{name}: paired TTFT differences")
+        row[1].legend(fontsize=8)
+        row[2].bar(x, [st["table"][r]["token_hit_rate"]["mean"] for r in routers], alpha=0.7)
+        for r_i, r in enumerate(routers):
+            ys = [c[r]["token_hit_rate"] for c in cells.values() if r in c]
+            row[2].plot([r_i] * len(ys), ys, "k.", ms=4)
+        row[2].set_xticks(x, routers, rotation=30, ha="right", fontsize=8)
+        row[2].set_ylabel("cached / prompt tokens")
+        row[2].set_title(f"{name}: token hit rate (workers' counts)")
+        for ax in row:
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(data: dict[str, Any], out: Path, command: str) -> dict[str, Any]:
+    """results.json (config, phases, statistics), samples.json (every request),
+    report.md and real_peers.png in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stats = analyse(data)
+    plot(data, stats, out / "real_peers.png")
+    (out / "report.md").write_text(report(data, stats, command, "real_peers.png"))
+    doc = {k: v for k, v in data.items() if k != "samples"} | {"command": command,
+                                                               "stats": stats}
+    opts = orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+    (out / "results.json").write_bytes(orjson.dumps(doc, option=opts))
+    (out / "samples.json").write_bytes(orjson.dumps(data["samples"]))
+    return stats
