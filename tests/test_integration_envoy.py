@@ -196,8 +196,11 @@ def test_every_error_code_comes_back_through_envoy(embedded) -> None:
     # Freeze scraped state while we fake a full pool: once the round in flight (or the one
     # its current sleep leads to) has finished, the scraper sleeps for an hour.
     scraper = gw.gateway.scraper
-    rounds = gw.call(lambda: (setattr(scraper, "interval_s", 3600), scraper.rounds)[1])
-    until(lambda: gw.call(lambda: scraper.rounds) > rounds, what="last scrape round")
+    # Each worker has its own loop: once every one has finished a scrape, all sleep an hour.
+    counts = gw.call(lambda: (setattr(scraper, "interval_s", 3600), dict(scraper.scrapes))[1])
+    until(lambda: all(n > counts.get(a, 0)
+                      for a, n in gw.call(lambda: dict(scraper.scrapes)).items()),
+          what="last scrape round")
     now = time.time()
     gw.call(lambda: [pool.update_metrics(a, WorkerMetrics(waiting=10_000, running=64,
                                                           scraped_at=now))
@@ -234,7 +237,8 @@ def test_gateway_down(fail_open: bool) -> None:
             assert r.status_code == 200  # round-robin fallback reached a worker
             assert "x-cachepilot-decision-id" not in r.headers
         else:
-            assert r.status_code == 500
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "gateway is unavailable" in r.json()["error"]["message"]
 
 
 def test_decisions_are_recorded_with_live_outcomes_and_no_prompt_text(tmp_path) -> None:

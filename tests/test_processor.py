@@ -65,8 +65,9 @@ def test_response_headers_return_decision_and_worker_and_release(proc: Processor
     ex, _ = exchange(proc, chat(stream=True))
     w = proc.router.pools["default"].workers[ex.decision.chosen]
     assert w.inflight == 1
-    [r] = proc.handle(ex, headers("", response=True))
-    assert set_headers(r) == {DECISION_HEADER: ex.decision.id, WORKER_HEADER: ex.decision.chosen}
+    # Envoy names the worker that answered (%UPSTREAM_HOST%); the gateway adds the decision.
+    [r] = proc.handle(ex, headers("", response=True, **{WORKER_HEADER: ex.decision.chosen}))
+    assert set_headers(r) == {DECISION_HEADER: ex.decision.id}
     proc.handle(ex, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
                          response=True))
     assert w.pending_prefill_tokens == 0  # first token seen

@@ -81,6 +81,9 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @click.option("--scrape-timeout", type=float, default=1.0, show_default=True,
               help="Seconds a worker's /metrics may take (llama.cpp answers between batches).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
+@click.option("--stall-after", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds a worker may leave its requests without a first byte (answering "
+                   "none) before it is taken out of routing until they end (0: never).")
 @click.option("--decision-log", default=None, help="Record every decision (LMDB directory).")
 @click.option("--capture-prompts", is_flag=True,
               help="Also store raw prompt text in the decision log (off: hashes only).")
@@ -92,7 +95,8 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
                 models: tuple[str, ...], engine: str, scrape_interval: float,
-                scrape_timeout: float, max_body_bytes: int, decision_log: str | None,
+                scrape_timeout: float, max_body_bytes: int, stall_after: float,
+                decision_log: str | None,
                 capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
                 capacity_blocks: int, tokenizer: str | None) -> None:
@@ -130,6 +134,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            scrape_timeout_s=scrape_timeout,
                            scrape=not kubernetes,  # the operator scrapes at each pool's interval
                            decision_log=decision_log, calibrate=calibrate,
+                           stall_after_s=stall_after,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
                                                   observe_responses=observe_responses))

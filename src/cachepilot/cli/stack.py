@@ -8,7 +8,7 @@ from collections.abc import Callable
 import click
 
 from cachepilot.cli.options import policy_option, stack_failed, weights_option
-from cachepilot.tooling.procs import serve_until_interrupted
+from cachepilot.tooling.procs import RestartPolicy, supervise
 from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, check_port_free
 
 
@@ -26,25 +26,34 @@ from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, ch
 @click.option("--speed", type=float, default=1.0, show_default=True,
               help="Simulated engine speed factor (sim).")
 @click.option("--fail-open", is_flag=True, help="Route round robin when the gateway is down.")
+@click.option("--first-byte-timeout", type=click.FloatRange(min=0), default=60.0,
+              show_default=True,
+              help="Seconds a worker may take to start answering (Envoy's per-try timeout; "
+                   "0: none). A streamed answer is never cut once it flows.")
+@click.option("--max-restarts", type=click.IntRange(0), default=5, show_default=True,
+              help="Restarts of one component within a minute before giving up (exit 1).")
 @click.option("--decision-log", default=None, help="Record every decision here (sim).")
 @click.option("--prompt-tokens", type=click.IntRange(16), default=None,
               help="Typical prompt length in tokens, to size the directory to what a "
                    "llama.cpp slot keeps (llamacpp; default: prompts fill the slot's context).")
 def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
-           speed: float, fail_open: bool, decision_log: str | None,
-           prompt_tokens: int | None) -> None:
-    """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM)."""
+           speed: float, fail_open: bool, first_byte_timeout: float, max_restarts: int,
+           decision_log: str | None, prompt_tokens: int | None) -> None:
+    """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM). A component that
+    exits is restarted with backoff; one that keeps dying stops the stack (exit 1)."""
     try:
         check_port_free(port, "Envoy's listener")
     except PortInUseError as exc:
         raise click.ClickException(f"{exc}; choose another with --port") from None
     # SIGTERM (kill, container runtimes) stops the stack like Ctrl-C, also while starting.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    restart = RestartPolicy(max_restarts=max_restarts)
     if engine == "llamacpp":
-        _up_llamacpp(workers or 2, port, policy, prompt_tokens)
+        _up_llamacpp(workers or 2, port, policy, prompt_tokens, restart)
         return
     stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
                                    weights=weights, speed=speed, fail_open=fail_open,
+                                   first_byte_timeout_s=first_byte_timeout,
                                    decision_log=decision_log))
     _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
         f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})",
@@ -52,10 +61,15 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
         f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}" if decision_log else ""),
         f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
         f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'"],
-        lambda: serve_until_interrupted(stack.processes))
+        lambda: supervise(stack.processes, restart, _say))
 
 
-def _up_llamacpp(workers: int, port: int, policy: str, prompt_tokens: int | None) -> None:
+def _say(line: str) -> None:
+    click.echo(f"cachepilot up: {line}", err=True)
+
+
+def _up_llamacpp(workers: int, port: int, policy: str, prompt_tokens: int | None,
+                 restart: RestartPolicy) -> None:
     """``--engine llamacpp``: llama-server workers (Gemma 3 270M). ``prompt_tokens``: typical
     prompt length, for the directory's capacity (see ``directory_capacity_blocks``)."""
     from cachepilot.tooling.llamacpp import MODEL_NAME, LlamaStack, installed
@@ -73,13 +87,15 @@ def _up_llamacpp(workers: int, port: int, policy: str, prompt_tokens: int | None
         f"  try: curl {stack.url}/v1/chat/completions -H 'content-type: application/json' "
         f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
         f"\"content\":\"Hello\"}}]}}'"],
-        lambda: serve_until_interrupted(stack.processes))
+        lambda: supervise(stack.processes, restart, _say))
 
 
 def _serve(start: Callable[[], object], stop: Callable[[], None],
            log_dir: Callable[[], object], banner: Callable[[], list[str]],
-           wait: Callable[[], str]) -> None:
-    """Start, print the banner, serve until interrupted, stop; a failed start is one line."""
+           wait: Callable[[], int]) -> None:
+    """Start, print the banner, serve (supervised) until interrupted, stop; a failed start
+    is one line; giving up on a component exits 1."""
+    code = 0
     try:
         try:
             start()
@@ -87,8 +103,11 @@ def _serve(start: Callable[[], object], stop: Callable[[], None],
             raise stack_failed(exc, log_dir()) from None
         for line in banner():
             click.echo(line)
-        click.echo(wait(), err=True)
+        code = wait()
+        _say("stopping" if code else "interrupted; stopping")
     except KeyboardInterrupt:
         pass
     finally:
         stop()
+    if code:
+        raise SystemExit(code)

@@ -84,7 +84,8 @@ class Pool:
         if w is None:
             w = self.workers[address] = WorkerState(address=address, ready=ready)
             self.directory.add_worker(address)
-        w.ready = ready
+        w.declared_ready = ready
+        w.ready = ready and not w.down
         if labels is not None:
             w.labels = labels
         return w
@@ -94,18 +95,48 @@ class Pool:
         self.directory.remove_worker(address)
 
     def set_ready(self, address: str, ready: bool) -> None:
-        if address in self.workers:
-            self.workers[address].ready = ready
+        """Declared readiness (the pod's, or an operator's say): routable once not down."""
+        w = self.workers.get(address)
+        if w is not None:
+            w.declared_ready = ready
+            w.ready = ready and not w.down
+
+    def set_down(self, address: str, cause: str, reason: str | None) -> None:
+        """Mark the worker down for ``cause`` (``reason`` says why), or up again for that
+        cause (``reason`` None). A down worker is not routed to from the next decision on."""
+        w = self.workers.get(address)
+        if w is None:
+            return
+        if reason is None:
+            w.down.pop(cause, None)
+        else:
+            w.down[cause] = reason
+        w.ready = w.declared_ready and not w.down
 
     def update_metrics(self, address: str, metrics: WorkerMetrics | None,
                        error: str | None = None) -> None:
-        """Store a scrape. A failed scrape keeps the old metrics, which age into staleness."""
+        """Store a scrape. A failed scrape (``error``) marks the worker down at once: a worker
+        that cannot answer /metrics (refused, reset, timed out) is not sent requests until
+        it can; its old metrics are kept. A good scrape brings it back (it accepts
+        connections again, so an Envoy connect failure is cleared too)."""
         w = self.workers.get(address)
         if w is None:
             return
         w.scrape_error = error
         if metrics is None:
+            if error is not None:
+                self.set_down(address, "scrape", f"scrape failed: {error}")
             return
+        if "scrape" in w.down or "connect" in w.down:
+            self.set_down(address, "scrape", None)
+            self.set_down(address, "connect", None)
+        old = w.metrics
+        if (old is not None and old.prefix_queries is not None
+                and metrics.prefix_queries is not None
+                and metrics.prefix_queries < old.prefix_queries):
+            # Cumulative counters went back: the engine restarted, and its cache is empty.
+            self.directory.remove_worker(address)
+            self.directory.add_worker(address)
         # The waiting requests beyond those this router had pending are someone else's.
         w.metrics = metrics = replace(metrics, router_pending=w.pending_requests)
         if metrics.waiting > 0:

@@ -46,7 +46,13 @@ class WorkerState:
     finished: it sees a burst before the next scrape does."""
 
     address: str  # "ip:port", exactly what Envoy's ORIGINAL_DST cluster connects to
+    # Routable: declared ready (pod readiness, or static) and not known to be down. Set
+    # through Pool (upsert_worker, set_ready, set_down), which keeps the two in step.
     ready: bool = True
+    declared_ready: bool = True
+    # Why it is down, by cause ("scrape": its /metrics failed; "connect": Envoy could not
+    # reach it; "stalled": its requests get no first byte). Empty: up.
+    down: dict[str, str] = field(default_factory=dict)
     metrics: WorkerMetrics | None = None
     inflight: int = 0
     # Requests sent here whose first token has not come back, and their uncached prompt

@@ -1,9 +1,19 @@
 """Envoy's bootstrap, generated: the local stack, the tests and the Helm chart all use this.
 
 Requests pass the ext_proc filter (CachePilot picks a worker and writes its ``ip:port`` into
-``x-gateway-destination-endpoint``), then an ORIGINAL_DST cluster connects to that address.
-Fail-closed: the processor down → 500. Fail-open: the request goes on unprocessed, and a
-route without the destination header sends it to a round-robin fallback cluster.
+``x-gateway-destination-endpoint``), then the workers' cluster connects to that address:
+
+* workers known up front (the local stacks): a STATIC cluster with Envoy's override-host
+  load balancer, which reads the gateway's ordered list (``envoy.lb`` metadata, as the Gateway
+  API Inference Extension's endpoint picker writes it: ``ip:port,ip:port,…``) and walks it on
+  retries, so a request that never reached a dead worker goes to the runner-up at once;
+* workers found at run time (Kubernetes): an ORIGINAL_DST cluster on the header alone (it
+  cannot take a list, so a retry goes to the same worker).
+
+Fail-closed: the processor down → 503 + Retry-After. Fail-open: the request goes on
+unprocessed, and a route without the destination header sends it to a round-robin fallback
+cluster. Every reply Envoy makes itself (gateway down, timeouts, unreachable worker, limits)
+is rewritten into the gateway's OpenAI-style JSON error body (:func:`_local_reply_config`).
 """
 
 from __future__ import annotations
@@ -19,10 +29,15 @@ from cachepilot.core.request import INFERENCE_PATHS
 from cachepilot.gateway.service import (
     DECISION_HEADER,
     DESTINATION_HEADER,
+    ERROR_HEADER,
+    LB_METADATA_NAMESPACE,
     WORKER_HEADER,
 )
 
 _T = "type.googleapis.com/envoy."
+# Headers the listener accepts beyond max_request_headers: what the gateway's mutations and
+# Envoy itself add must never push a valid request over the codec's limit.
+HEADER_HEADROOM = 16
 
 
 @dataclass(frozen=True)
@@ -37,16 +52,37 @@ class EnvoyOptions:
     fallback_workers: tuple[str, ...] = ()  # host:port; required with fail_open
     observe_responses: bool = True  # stream response bodies to the gateway (TTFT, cached tokens)
     max_body_bytes: int = 8 * 1024 * 1024
-    message_timeout_ms: int = 500
     upstream_timeout_s: float = 0.0  # 0: no limit (long generations stream)
-    connect_timeout_s: float = 2.0
+    # Per try, until the worker's first byte; a response already flowing is never cut (Envoy
+    # ignores a try's timeout once the downstream response has started). A non-streamed answer
+    # starts when it is complete, so this must exceed the longest such generation. 0: none.
+    first_byte_timeout_s: float = 60.0
+    connect_timeout_s: float = 1.0
+    # Tries beyond the first, each on the next worker of the gateway's list, for requests that
+    # never reached a worker (refused or reset connection, refused stream).
+    retries: int = 2
+    # Workers known up front (host:port): the override-host cluster with a fallback list.
+    workers: tuple[str, ...] = ()
     max_requests: int = 100_000  # circuit breakers: Envoy's default 1,024 caps load tests
+    # Listener limits. A client has body_timeout_s to send its whole request (slowloris
+    # bodies end in 408); the gateway answers the headers only once it has the body, so the
+    # ext_proc message timeout covers the upload too and must outlast body_timeout_s.
+    headers_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 10_000
+    # Client headers Envoy accepts; the listener allows this many more, room for what the
+    # gateway and Envoy add (destination, decision id, x-request-id, x-forwarded-proto, …).
+    max_request_headers: int = 100
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def message_timeout_ms(self) -> int:
+        return int((self.body_timeout_s + 2.0) * 1000)
 
     def __post_init__(self) -> None:
         if self.fail_open and not self.fallback_workers:
             raise ValueError("fail-open needs fallback workers (host:port) to send requests to")
-        for hp in self.fallback_workers:
+        for hp in (*self.fallback_workers, *self.workers):
             _split(hp)
 
 
@@ -96,19 +132,123 @@ def _picked_or_fallback(o: EnvoyOptions, match: dict[str, Any], to_workers: dict
                         name: str) -> list[dict[str, Any]]:
     """Fail-closed: one route to ORIGINAL_DST (no destination header → 503). Fail-open: the
     gateway's header selects ORIGINAL_DST; without it (gateway down) round-robin fallback."""
+    # Who answered (a retry may have gone to the runner-up): the client and the gateway see it.
+    answered = [{"header": {"key": WORKER_HEADER, "value": "%UPSTREAM_HOST%"},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     if not o.fail_open:
-        return [{"name": name, "match": match, "route": to_workers}]
+        return [{"name": name, "match": match, "route": to_workers,
+                 "response_headers_to_add": answered}]
     picked = {**match, "headers": [*match.get("headers", []),
                                    {"name": DESTINATION_HEADER, "present_match": True}]}
-    return [{"name": f"{name}-picked", "match": picked, "route": to_workers},
+    return [{"name": f"{name}-picked", "match": picked, "route": to_workers,
+             "response_headers_to_add": answered},
             {"name": f"{name}-fallback", "match": match,
-             "route": {**to_workers, "cluster": "cachepilot_fallback"}}]
+             "route": {**to_workers, "cluster": "cachepilot_fallback"},
+             "response_headers_to_add": answered}]
+
+
+def _error_body(status: int | str, message: str, kind: str) -> dict[str, Any]:
+    """The gateway's OpenAI-style error envelope (cachepilot.core.request.RequestError)."""
+    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 def _json_reply(status: int, message: str) -> dict[str, Any]:
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request",
-                                   "code": status}}).decode()
+    body = orjson.dumps(_error_body(status, message, "invalid_request")).decode()
     return {"status": status, "body": {"inline_string": body}}
+
+
+def _cel(expression: str) -> dict[str, Any]:
+    return {"extension_filter": {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {"@type": _T + "extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                         "expression": expression}}}
+
+
+def _flags(*flags: str) -> dict[str, Any]:
+    return {"response_flag_filter": {"flags": list(flags)}}
+
+
+def _mapper(match: dict[str, Any], status: int | None, message: str, kind: str,
+            retry_after_s: int | None = None) -> dict[str, Any]:
+    m: dict[str, Any] = {"filter": match, "body_format_override": {
+        "json_format": _error_body(status or "%RESPONSE_CODE%", message, kind),
+        "content_type": "application/json"}}
+    if status is not None:
+        m["status_code"] = status
+    # The gateway sees this header on the response (a worker Envoy could not reach).
+    headers = {ERROR_HEADER: kind}
+    if retry_after_s is not None:
+        headers["retry-after"] = str(retry_after_s)
+    m["headers_to_add"] = [{"header": {"key": k, "value": v},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                           for k, v in headers.items()]
+    return m
+
+
+def _local_reply_config(o: EnvoyOptions) -> dict[str, Any]:
+    """Envoy's own replies in the gateway's JSON error body, with a status that says what
+    happened. The gateway's replies (ImmediateResponse, details ``cachepilot_*``) and the
+    routes' direct JSON replies are left as they are. First match wins."""
+    ttfb = f"{o.first_byte_timeout_s:g}s"
+    return {"mappers": [
+        # The processor unreachable, failed or too slow (fail-closed): nothing was routed.
+        _mapper(_cel("response.code_details.startsWith('ext_proc')"), 503,
+                "the routing gateway is unavailable; retry shortly",
+                "gateway_unavailable", retry_after_s=1),
+        _mapper(_flags("UT"), 504,
+                f"worker %UPSTREAM_HOST% sent no first byte within {ttfb}", "worker_timeout"),
+        _mapper(_flags("UO"), 503, "too many requests in flight; retry shortly", "overloaded",
+                retry_after_s=1),
+        _mapper(_flags("UF", "URX", "UH", "UR", "UC", "NR"), 503,
+                "worker %UPSTREAM_HOST% is unreachable (%RESPONSE_CODE_DETAILS% "
+                "%UPSTREAM_TRANSPORT_FAILURE_REASON%); retry shortly",
+                "worker_unreachable", retry_after_s=1),
+        # Anything else Envoy answers itself (header limits, request timeout, codec errors).
+        _mapper(_cel("!(response.code_details.startsWith('cachepilot_') || "
+                     "response.code_details == 'direct_response')"), None,
+                "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "envoy_local_reply"),
+    ]}
+
+
+def _workers_cluster(o: EnvoyOptions) -> dict[str, Any]:
+    """Known workers: override-host on the gateway's ordered list (metadata, else the header),
+    walked on retries. Otherwise ORIGINAL_DST on the header: any ip:port, no fallback."""
+    if not o.workers:
+        return {"name": "cachepilot_workers", "type": "ORIGINAL_DST",
+                "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": f"{o.connect_timeout_s}s",
+                "original_dst_lb_config": {"use_http_header": True,
+                                           "http_header_name": DESTINATION_HEADER},
+                "cleanup_interval": "60s", "circuit_breakers": _breakers(o.max_requests)}
+    cluster = _static_cluster("cachepilot_workers", [_split(h) for h in o.workers],
+                              timeout_s=o.connect_timeout_s)
+    del cluster["lb_policy"]
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": _T + "extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [
+                {"metadata": {"key": LB_METADATA_NAMESPACE,
+                              "path": [{"key": DESTINATION_HEADER}]}},
+                {"header": DESTINATION_HEADER}],
+            # Unreached unless the gateway names no worker of this cluster.
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": _T + "extensions.load_balancing_policies.round_robin"
+                                              ".v3.RoundRobin"}}}]}}}}]}
+    cluster["circuit_breakers"] = _breakers(o.max_requests)
+    return cluster
+
+
+def _retry_policy(o: EnvoyOptions) -> dict[str, Any]:
+    """Retry only what never reached a worker; a try that got no first byte in time ends in
+    504 (a hung worker's request is not doubled onto another)."""
+    policy: dict[str, Any] = {
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": o.retries,
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"}}
+    if o.first_byte_timeout_s > 0:
+        policy["per_try_timeout"] = f"{o.first_byte_timeout_s}s"
+    return policy
 
 
 def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
@@ -136,11 +276,10 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
     ]
     for r in _picked_or_fallback(o, post, to_workers, path):
         r["typed_per_filter_config"] = per_route
-        if not o.observe_responses:  # the gateway never sees the response: Envoy adds these
+        if not o.observe_responses:  # the gateway never sees the response: Envoy adds it
             r["response_headers_to_add"] = [
+                *r["response_headers_to_add"],
                 {"header": {"key": DECISION_HEADER, "value": f"%REQ({DECISION_HEADER})%"},
-                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-                {"header": {"key": WORKER_HEADER, "value": f"%REQ({DESTINATION_HEADER})%"},
                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
         routes.append(r)
     return routes
@@ -158,6 +297,8 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                              "timeout": "5s"},
             "failure_mode_allow": o.fail_open,
             "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
+            # The gateway's ordered worker list for the override-host cluster.
+            "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
             # Stream the body at once: the gateway answers the headers when it has the body,
             # so a decision costs one round trip (STREAMED mode only).
             "send_body_without_waiting_for_header_response": True,
@@ -168,7 +309,7 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         },
     }
     to_workers = {"cluster": "cachepilot_workers", "timeout": f"{o.upstream_timeout_s}s",
-                  "idle_timeout": "300s"}
+                  "idle_timeout": "300s", "retry_policy": _retry_policy(o)}
     routes: list[dict[str, Any]] = []
     for path in INFERENCE_PATHS:
         routes += _inference_routes(o, path, to_workers)
@@ -190,20 +331,16 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
             "@type": _T + "extensions.filters.http.router.v3.Router"}}],
         "stream_idle_timeout": "300s",
-        "request_timeout": "0s",
-    }
-    workers = {
-        "name": "cachepilot_workers",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": f"{o.connect_timeout_s}s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-        "cleanup_interval": "60s",
-        "circuit_breakers": _breakers(o.max_requests),
+        # Slow clients: the headers, then the whole request, must arrive in time (408).
+        "request_headers_timeout": f"{o.headers_timeout_s}s",
+        "request_timeout": f"{o.body_timeout_s}s",
+        "common_http_protocol_options": {"max_headers_count": o.max_request_headers
+                                         + HEADER_HEADROOM},
+        "local_reply_config": _local_reply_config(o),
     }
     clusters = [
         _static_cluster("cachepilot_ext_proc", [(o.ext_proc_host, o.ext_proc_port)], http2=True),
-        workers,
+        _workers_cluster(o),
     ]
     if o.fail_open:
         fb = _static_cluster("cachepilot_fallback", [_split(h) for h in o.fallback_workers],
@@ -221,9 +358,13 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 # largest accepted body and then some, so that the gateway, seeing more than
                 # max_body_bytes arrive, answers 413 in JSON before Envoy's buffer is full.
                 "per_connection_buffer_limit_bytes": o.max_body_bytes + 256 * 1024,
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": hcm}]}],
+                "filter_chains": [{"filters": [
+                    {"name": "envoy.filters.network.connection_limit", "typed_config": {
+                        "@type": _T + "extensions.filters.network.connection_limit.v3"
+                                      ".ConnectionLimit",
+                        "stat_prefix": "cachepilot", "max_connections": o.max_connections}},
+                    {"name": "envoy.filters.network.http_connection_manager",
+                     "typed_config": hcm}]}],
             }],
             "clusters": clusters,
         },

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,9 @@ class GatewayConfig:
     grace_s: float = 5.0
     decision_log: str | None = None  # record every decision here (LMDB directory)
     calibrate: bool = True  # learn each worker's TTFT model from measured first tokens
+    # A worker whose requests get no first byte for this long (and that answered none of
+    # them meanwhile) is taken out of routing until its requests end or it answers. 0: off.
+    stall_after_s: float = 10.0
 
 
 class Gateway:
@@ -86,6 +90,8 @@ class Gateway:
         self._grpc = server
         if self.config.scrape:
             self._tasks.append(asyncio.create_task(self.scraper.run()))
+        if self.config.stall_after_s > 0:
+            self._tasks.append(asyncio.create_task(self._watch_stalls()))
         self._runner = web.AppRunner(self._admin_app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.admin_host, self.config.admin_port)
@@ -121,6 +127,21 @@ class Gateway:
             await self._runner.cleanup()
         if self.recorder is not None:
             self.recorder.close()
+
+    async def _watch_stalls(self) -> None:
+        """Price out a hung worker as its requests age: down while its requests wait without
+        a first byte, back once they have ended (Envoy's first-byte timeout) or it answers."""
+        after = self.config.stall_after_s
+        while True:
+            await asyncio.sleep(min(1.0, after / 4))
+            stalled = self.processor.stalled(time.time(), after)
+            for pool in self.router.pools.values():
+                for addr, w in pool.workers.items():
+                    why = stalled.get(addr)
+                    if why != w.down.get("stalled"):
+                        if why and "stalled" not in w.down:
+                            log.warning("worker %s %s", addr, why)
+                        pool.set_down(addr, "stalled", why)
 
     # -- admin API ----------------------------------------------------------------------------
     def _admin_app(self) -> web.Application:
@@ -170,7 +191,7 @@ class Gateway:
                             "running": m.running if m else None,
                             "kv_usage": m.kv_usage if m else None,
                             "scraped_at": m.scraped_at if m else None,
-                            "scrape_error": w.scrape_error})
+                            "scrape_error": w.scrape_error, "down": w.down})
         return web.json_response(out)
 
     async def _pools(self, _: web.Request) -> web.Response:

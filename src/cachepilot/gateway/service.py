@@ -7,7 +7,9 @@ routing costs one round trip, not two.
 Request body (STREAMED chunks) → collect; at the last chunk parse, route, and answer the
 headers with the destination header that Envoy's ORIGINAL_DST cluster reads (then one empty
 answer per chunk), or answer with a JSON error (ImmediateResponse).
-Response headers → hand the decision id and worker back to the client; first byte time.
+Response headers → hand the decision id back to the client; first byte time. Only a 2xx
+answer from the chosen worker is model output: an error, or an answer from the runner-up
+Envoy failed over to, never counts as the chosen worker's first token.
 Response body (STREAMED, optional) → first token time and the worker's cached-token count.
 The stream's end, however it ends, releases the request's place on its worker.
 """
@@ -26,8 +28,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
 
-from cachepilot.core.decision import Decision
+from cachepilot.core.decision import Decision, RoutingError
 from cachepilot.core.lifecycle import FIRST_BYTE, FIRST_TOKEN, Outcome
 from cachepilot.core.request import RequestError, inference_path, parse_openai_body
 from cachepilot.core.router import Router
@@ -37,8 +40,15 @@ from cachepilot.records import NullRecorder
 log = logging.getLogger("cachepilot.extproc")
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"  # as the Gateway API Inference Extension
+# Where the ordered list (chosen worker first, then the runner-ups) goes, as the inference
+# extension's endpoint picker writes it: dynamic metadata envoy.lb/<DESTINATION_HEADER>.
+LB_METADATA_NAMESPACE = "envoy.lb"
 DECISION_HEADER = "x-cachepilot-decision-id"
+# Set by Envoy on every answer to the worker that answered (%UPSTREAM_HOST%).
 WORKER_HEADER = "x-cachepilot-worker"
+# Set by Envoy on its own replies that say why (e.g. worker_unreachable).
+ERROR_HEADER = "x-cachepilot-error"
+FALLBACKS = 2  # runner-ups after the chosen worker in the list Envoy's retries walk
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -71,6 +81,24 @@ def _headers(pairs: dict[str, str]) -> ep.HeaderMutation:
         for k, v in pairs.items()])
 
 
+def fallback_list(d: Decision) -> str:
+    """The chosen worker, then up to FALLBACKS eligible runner-ups, best first."""
+    rest = sorted((c for c in d.candidates if c.eligible and c.worker != d.chosen),
+                  key=lambda c: -c.value)
+    return ",".join([d.chosen, *(c.worker for c in rest[:FALLBACKS])])
+
+
+def _lb_metadata(destinations: str) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.update({LB_METADATA_NAMESPACE: {DESTINATION_HEADER: destinations}})
+    return md
+
+
+class _NoPool:
+    def set_down(self, *_: object) -> None:
+        pass
+
+
 def immediate(err: RequestError) -> ep.ProcessingResponse:
     """A JSON error straight back to the client; Envoy never contacts a worker."""
     hdrs = {"content-type": "application/json"}
@@ -94,6 +122,7 @@ class Exchange:
     status: int | None = None
     first_byte_s: float | None = None
     first_token_s: float | None = None
+    model_output: bool = False  # a 2xx answer from the chosen worker
     cached_tokens: int | None = None
     tail: bytes = b""
     body: bytearray = field(default_factory=bytearray)
@@ -115,6 +144,10 @@ class Processor:
         self.options = options or GatewayOptions()
         self.clock = clock
         self._passthrough_seq = 0
+        # Routed requests without a first byte yet, by worker (decision id → routed at), and
+        # each worker's last first byte: a worker that answers none of them has stalled.
+        self.awaiting: dict[str, dict[str, float]] = {}
+        self.last_first_byte: dict[str, float] = {}
 
     def handle(self, ex: Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """Answer one message from Envoy: zero or more responses, in the order Envoy expects."""
@@ -172,6 +205,8 @@ class Processor:
         try:
             req = parse_openai_body(ex.path, bytes(ex.body))
             decision = self.router.route(req, self.clock())
+        except RoutingError as err:
+            return [self._error(self._why_no_worker(err))]
         except RequestError as err:
             return [self._error(err)]
         finally:
@@ -186,9 +221,12 @@ class Processor:
         pool = self.router.pools.get(decision.pool)
         self.sink.decision(decision, pool,
                            prompt=req.prompt if self.options.capture_prompts else None)
+        self.awaiting.setdefault(decision.chosen, {})[decision.id] = ex.started
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
-        out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(
-            response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)))]
+        out = [ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(
+                response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+            dynamic_metadata=_lb_metadata(fallback_list(decision)))]
         out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * ex.chunks
         ex.chunks = 0
         return out
@@ -209,28 +247,70 @@ class Processor:
         self.metrics.errors.labels(str(err.status)).inc()
         return immediate(err)
 
+    def _why_no_worker(self, err: RoutingError) -> RoutingError:
+        """A 503 names the workers that are down and why (unreachable, stalled), and says
+        when to retry: the next scrape may find them back."""
+        if err.status != 503:
+            return err
+        down = [f"{a}: {'; '.join(w.down.values())}" for p in self.router.pools.values()
+                for a, w in p.workers.items() if w.down]
+        message = err.message + (f" (down: {', '.join(down)})" if down else "")
+        return RoutingError(503, message, code=err.code, retry_after_s=1.0)
+
+    def stalled(self, now: float, after_s: float) -> dict[str, str]:
+        """Workers whose oldest request has waited ``after_s`` for a first byte while the
+        worker answered no request at all for as long: why, by worker."""
+        out: dict[str, str] = {}
+        for worker, waiting in self.awaiting.items():
+            if not waiting:
+                continue
+            oldest = now - min(waiting.values())
+            if oldest > after_s and now - self.last_first_byte.get(worker, 0.0) > after_s:
+                out[worker] = (f"stalled: no first byte for {oldest:.1f}s "
+                               f"({len(waiting)} requests waiting)")
+        return out
+
     # -- response -----------------------------------------------------------------------------
     def _response_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
         now = self.clock()
-        ex.first_byte_s = now - ex.started
+        answered_by = error = None
         for h in msg.headers.headers:
+            raw = h.raw_value.decode("latin-1") if h.raw_value else h.value
             if h.key == ":status":
-                raw = h.raw_value.decode() if h.raw_value else h.value
                 ex.status = int(raw) if raw.isdigit() else None
+            elif h.key == WORKER_HEADER:
+                answered_by = raw
+            elif h.key == ERROR_HEADER:
+                error = raw
         d = ex.decision
         if d is None:
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-        if not ex.stream:  # a non-streamed answer arrives whole: its headers are its first token
-            self.router.first_token(d)
+        self.awaiting.get(d.chosen, {}).pop(d.id, None)
+        failed_over = bool(answered_by) and answered_by != d.chosen
+        if failed_over or error == "worker_unreachable":
+            # Envoy could not reach the chosen worker: no more requests until a scrape
+            # finds it back.
+            why = f"Envoy could not connect{f'; {answered_by} answered' if failed_over else ''}"
+            self._pool_of(d).set_down(d.chosen, "connect", why)
+        ex.model_output = (ex.status is not None and 200 <= ex.status < 300
+                           and not failed_over)
+        if ex.model_output:
+            ex.first_byte_s = now - ex.started
+            self.last_first_byte[d.chosen] = now
+            if not ex.stream:  # a non-streamed answer arrives whole: headers = first token
+                self.router.first_token(d)
         if msg.end_of_stream:
             self.finish(ex)
         return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=_headers({DECISION_HEADER: d.id, WORKER_HEADER: d.chosen}))))
+            header_mutation=_headers({DECISION_HEADER: d.id}))))
+
+    def _pool_of(self, d: Decision) -> Any:
+        return self.router.pools.get(d.pool) or _NoPool()
 
     def _response_body(self, ex: Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
         d = ex.decision
         if d is not None:
-            if ex.first_token_s is None and msg.body:
+            if ex.first_token_s is None and msg.body and ex.model_output:
                 ex.first_token_s = self.clock() - ex.started
                 # Streamed: a real first token, the policy and plugins learn from it.
                 self.router.first_token(d, ex.first_token_s * 1000.0 if ex.stream else None)
@@ -249,6 +329,7 @@ class Processor:
             return
         ex.done = True
         d = ex.decision
+        self.awaiting.get(d.chosen, {}).pop(d.id, None)
         ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
         outcome = Outcome(status=ex.status, aborted=aborted,
                           ttft_ms=None if ttft_s is None else ttft_s * 1000.0,

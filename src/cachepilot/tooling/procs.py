@@ -9,6 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,11 +44,19 @@ def gateway_scraped_all(admin_url: str) -> bool:
 class Processes:
     log_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    args: dict[str, list[str]] = field(default_factory=dict)  # to restart them
 
     def spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
-        self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+        """Start ``name``; its output goes to ``<name>.log`` (appended on a restart) and its
+        pid to ``<name>.pid`` in ``log_dir``."""
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the process
+        self.args[name] = args
+        self.procs[name] = proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL)
+        (self.log_dir / f"{name}.pid").write_text(str(proc.pid))
+
+    def respawn(self, name: str) -> None:
+        self.spawn(name, self.args[name])
 
     def raise_if_exited(self) -> None:
         for name, proc in self.procs.items():
@@ -107,12 +116,51 @@ class LoopbackAddresses:
         return [f"127.0.0.1:{p}" for p in self.worker_ports]
 
 
-def serve_until_interrupted(processes: Processes) -> str:
-    """Block while every process runs; return why it stopped (a component exited, or
-    KeyboardInterrupt: Ctrl-C, or SIGTERM where the caller maps it to SIGINT's handler)."""
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``supervise`` restarts a component that exited: after ``backoff_s``, doubled on each
+    restart up to ``max_backoff_s``; it gives up when one component needs more than
+    ``max_restarts`` restarts within ``window_s``."""
+
+    backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    max_restarts: int = 5
+    window_s: float = 60.0
+
+
+def _how(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+
+
+def supervise(processes: Processes, policy: RestartPolicy = RestartPolicy(),
+              say: Callable[[str], None] = print, poll_s: float = 0.05) -> int:
+    """Keep every process running until Ctrl-C (0) or until one keeps dying (1): a component
+    that exits is restarted with backoff, each restart said by name. On return the caller
+    stops the rest."""
+    restarts: dict[str, list[float]] = {}
+    due: dict[str, float] = {}  # name → when to restart it
     try:
-        while all(p.poll() is None for p in processes.procs.values()):
-            time.sleep(0.5)
-        return "a component exited; see the logs"
+        while True:
+            now = time.monotonic()
+            for name, proc in list(processes.procs.items()):
+                code = proc.poll()
+                if code is None or name in due:
+                    continue
+                recent = [t for t in restarts.get(name, []) if now - t < policy.window_s]
+                if len(recent) >= policy.max_restarts:
+                    say(f"{name} {_how(code)}; giving up after {len(recent)} restarts in "
+                        f"{policy.window_s:g}s (logs: {processes.log_dir / f'{name}.log'})")
+                    return 1
+                delay = min(policy.max_backoff_s, policy.backoff_s * 2 ** len(recent))
+                restarts[name] = [*recent, now]
+                due[name] = now + delay
+                say(f"{name} {_how(code)}; restarting in {delay:.2g}s "
+                    f"(restart {len(recent) + 1} of {policy.max_restarts} in "
+                    f"{policy.window_s:g}s)")
+            for name, at in list(due.items()):
+                if now >= at:
+                    del due[name]
+                    processes.respawn(name)
+            time.sleep(poll_s)
     except KeyboardInterrupt:
-        return "interrupted"
+        return 0

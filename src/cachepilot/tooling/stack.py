@@ -13,6 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cachepilot.gateway.envoy_config import EnvoyOptions, render
 from cachepilot.tooling.procs import LoopbackAddresses, Processes
@@ -69,6 +70,8 @@ class StackConfig:
     observe_responses: bool = True
     max_body_bytes: int = 8 * 1024 * 1024
     scrape_interval: float = 0.1
+    first_byte_timeout_s: float = 60.0  # Envoy's per-try limit on a worker's first byte
+    envoy: dict[str, Any] = field(default_factory=dict)  # other EnvoyOptions (limits, …)
     decision_log: str | None = None
     log_dir: str | None = None
     start_gateway: bool = True  # False: Envoy points at a gateway the caller runs
@@ -121,8 +124,10 @@ class LocalStack(LoopbackAddresses):
                             admin_port=self.envoy_admin_port, ext_proc_port=self.gateway_port,
                             fail_open=c.fail_open,
                             fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
+                            workers=tuple(self.worker_addresses),
+                            first_byte_timeout_s=c.first_byte_timeout_s,
                             observe_responses=c.observe_responses,
-                            max_body_bytes=c.max_body_bytes)
+                            max_body_bytes=c.max_body_bytes, **c.envoy)
         cfg_path = self.log_dir / "envoy.yaml"
         cfg_path.write_text(render(opts))
         self.processes.spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",

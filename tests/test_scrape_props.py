@@ -1,0 +1,121 @@
+"""The scraper: llama.cpp workers' slots from GET /props (read once per worker, again after a
+failure or a restart), and one worker's slow scrape not delaying the others'."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from cachepilot.core import BlockConfig, Pool, PoolSpec, Router
+from cachepilot.gateway.scrape import Scraper, parse_props
+
+METRICS = """# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total {queries}
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 0
+"""
+
+
+class FakeLlama:
+    def __init__(self) -> None:
+        self.props_calls = 0
+        self.queries = 1000
+        self.up = True
+        self.delay_s = 0.0
+
+    def app(self) -> web.Application:
+        async def metrics(_: web.Request) -> web.Response:
+            await asyncio.sleep(self.delay_s)
+            if not self.up:
+                return web.Response(status=503)
+            return web.Response(text=METRICS.format(queries=self.queries))
+
+        async def props(_: web.Request) -> web.Response:
+            self.props_calls += 1
+            return web.json_response({"total_slots": 4, "default_generation_settings":
+                                      {"n_ctx": 2048, "temperature": 0.8}})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/props", props)
+        return app
+
+
+async def serve(fake: FakeLlama) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(fake.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"127.0.0.1:{port}"
+
+
+def pool_with(addresses: list[str], engine: str) -> tuple[Router, Pool]:
+    pool = Pool(PoolSpec(block=BlockConfig(16, 4.0)))
+    for a in addresses:
+        pool.upsert_worker(a, labels={"engine": engine})
+    return Router([pool]), pool
+
+
+def test_parse_props_reads_slots_and_context_per_slot() -> None:
+    assert parse_props(b'{"total_slots": 2, "default_generation_settings": {"n_ctx": 4096}}'
+                       ) == (2, 4096)
+    assert parse_props(b'{"total_slots": 0}') == (None, None)
+    assert parse_props(b'{"n_ctx": 512, "total_slots": 1}') == (1, 512)
+
+
+def test_llamacpp_slots_come_from_props_once_and_again_after_a_failure_or_restart() -> None:
+    async def main() -> None:
+        fake = FakeLlama()
+        runner, addr = await serve(fake)
+        router, pool = pool_with([addr], "llamacpp")
+        scraper = Scraper(router, timeout_s=2.0)
+        w = pool.workers[addr]
+        try:
+            for _ in range(3):
+                await scraper.scrape_all()
+                assert w.metrics is not None
+                assert (w.metrics.slots, w.metrics.slot_tokens) == (4, 2048)
+            assert fake.props_calls == 1  # once per worker
+            fake.up = False
+            await scraper.scrape_all()
+            assert not w.ready and w.metrics.slots == 4  # the old scrape is kept
+            fake.up = True
+            await scraper.scrape_all()
+            assert w.ready and fake.props_calls == 2  # back: read again
+            fake.queries = 10  # counters went back: the engine restarted
+            await scraper.scrape_all()
+            assert fake.props_calls == 3 and w.metrics.slots == 4
+        finally:
+            await scraper.close()
+            await runner.cleanup()
+    asyncio.run(main())
+
+
+def test_a_slow_worker_does_not_delay_the_others_refresh() -> None:
+    async def main() -> None:
+        fast, slow = FakeLlama(), FakeLlama()
+        slow.delay_s = 5.0  # hung: longer than the scrape timeout
+        servers = [await serve(fast), await serve(slow)]
+        addrs = [a for _, a in servers]
+        router, pool = pool_with(addrs, "llamacpp")
+        scraper = Scraper(router, interval_s=0.1, timeout_s=1.0)
+        task = asyncio.create_task(scraper.run())
+        try:
+            await asyncio.sleep(2.5)
+            fast_w, slow_w = pool.workers[addrs[0]], pool.workers[addrs[1]]
+            assert scraper.scrapes[addrs[0]] >= 10  # ~every 0.1 s, not every 1 s
+            assert time.time() - fast_w.metrics.scraped_at < 0.5  # type: ignore[union-attr]
+            assert not slow_w.ready and "TimeoutError" in slow_w.down["scrape"]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for runner, _ in servers:
+                await runner.cleanup()
+    asyncio.run(main())
