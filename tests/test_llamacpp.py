@@ -20,10 +20,8 @@ from cachepilot.tooling.llamacpp import (
     LlamaStack,
     LlamaWorkerSpec,
     bodies,
-    directory_capacity_blocks,
     requests,
     summarize,
-    typical_prompt,
 )
 from cachepilot.tooling.loadgen import Result
 
@@ -52,21 +50,25 @@ def test_busy_metrics_count_deferred_as_waiting() -> None:
     assert (m.running, m.waiting) == (1, 3)
 
 
-def test_directory_capacity_is_prompts_held_times_prompt_blocks() -> None:
-    spec = LlamaWorkerSpec(parallel=2, ctx_per_slot=1024, cache_ram_mib=0)
-    assert llamacpp.prompts_held(spec) == 2
-    assert directory_capacity_blocks(spec, 16) == 2 * 1024 // 16  # prompts fill their slots
-    assert directory_capacity_blocks(spec, 16, prompt_tokens=578) == int(2 * 578 * 0.9) // 16
-    with_ram = LlamaWorkerSpec(parallel=1, ctx_per_slot=1024, cache_ram_mib=64)
-    assert llamacpp.prompts_held(with_ram, state_mib=27) == 1 + 2
-    assert directory_capacity_blocks(with_ram, 16, prompt_tokens=500, margin=1.0) == (
-        3 * 500 // 16)
+def test_gateway_directory_is_sized_by_the_engine_not_a_guess(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No capacity flag unless one is given: the gateway reads each worker's slots from
+    llama-server's /props; an explicit capacity is passed through."""
+    stack = LlamaStack(workers=2, log_dir="/tmp/x", gateway_port=1, admin_port=2)
+    stack.worker_ports = [3, 4]
+    stack.calibration = llamacpp.Calibration(2.5, 30.0, 5.8)
+    args = stack.gateway_args()
+    assert "--capacity-blocks" not in args
+    assert args[args.index("--engine") + 1] == "llamacpp"
+    assert args[args.index("--workers") + 1] == "127.0.0.1:3,127.0.0.1:4"
+    stack.capacity_blocks = 40
+    args = stack.gateway_args()
+    assert args[args.index("--capacity-blocks") + 1] == "40"
 
 
-def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
-    """With capacity = one prompt's blocks, routing prompt B to a one-slot worker removes
-    every block of prompt A from the directory, as llama.cpp overwrites the slot; one slot's
-    worth of context would keep A's root blocks and predict a hit that cannot happen."""
+def test_slot_directory_forgets_an_overwritten_prompt() -> None:
+    """As the gateway models a one-slot llama worker (slots from /props): routing prompt B
+    there drops every block of prompt A, as llama.cpp overwrites the slot."""
     reqs = requests(WORKLOAD.with_(groups=2, p_unique=0.0), seed=1)
     prompts = {}
     for label, body in bodies(reqs):
@@ -74,30 +76,14 @@ def test_one_prompt_capacity_forgets_an_overwritten_prompt() -> None:
     cfg = BlockConfig(16, 5.8)
     a, b = (fingerprint("m", cfg, text=flatten_messages(prompts[k]["messages"]))
             for k in ("shared-0", "shared-1"))
-    tokens = int(len(typical_prompt(reqs).encode()) / 5.8)
-    one_slot = LlamaWorkerSpec(parallel=1, cache_ram_mib=0)
-    for capacity, a_left in ((directory_capacity_blocks(one_slot, 16, tokens), 0),
-                             (directory_capacity_blocks(one_slot, 16), None)):
-        d = PrefixDirectory(capacity)
-        d.add_worker("w")
-        d.insert("w", a.hashes)
-        d.insert("w", b.hashes)
-        left = d.match(a.hashes, ["w"])["w"]
-        if a_left is not None:
-            assert left == a_left
-        else:
-            assert left > 0  # the upper bound keeps A's roots: a false hit prediction
-    # Under the margin, B's document (all but its question) is still matched, a little
-    # shorter: the prediction stays a hit.
-    b2 = next(body for label, body in bodies(reqs)[1:] if label == "shared-1"
-              and body != prompts["shared-1"])
-    fb2 = fingerprint("m", cfg, text=flatten_messages(b2["messages"]))
-    d = PrefixDirectory(directory_capacity_blocks(one_slot, 16, tokens))
+    d = PrefixDirectory(4096)
     d.add_worker("w")
+    d.set_slots("w", 1, 1024 // 16)
+    d.insert("w", a.hashes)
+    assert d.match(a.hashes, ["w"])["w"] == len(a.hashes)
     d.insert("w", b.hashes)
-    shared = next(i for i, (x, y) in enumerate(zip(b.hashes, fb2.hashes, strict=False))
-                  if x != y)
-    assert shared - 4 <= d.match(fb2.hashes, ["w"])["w"] <= shared
+    assert d.match(a.hashes, ["w"])["w"] == 0
+    assert d.match(b.hashes, ["w"])["w"] == len(b.hashes)
 
 
 def test_worker_args(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -222,12 +222,8 @@ def _study_progress() -> Iterator[Progress]:
               help="Each worker's prompt cache in MiB (0: only the slot).")
 @click.option("--slots", type=click.IntRange(1), default=LlamaWorkerSpec.parallel,
               show_default=True, help="llama-server -np per worker.")
-@click.option("--assume-full-slots", is_flag=True,
-              help="Size the directory as if every prompt filled its slot's context "
-              "(the upper bound), instead of one typical prompt per slot.")
 def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, workers: int,
-                   seed: int, groups: int, cache_ram_mib: int, slots: int,
-                   assume_full_slots: bool) -> None:
+                   seed: int, groups: int, cache_ram_mib: int, slots: int) -> None:
     """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp."""
     why = installed()
     if why:
@@ -238,7 +234,7 @@ def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, work
     echo = None if as_json else (lambda m: click.echo(m, err=True))
     try:
         result = run_experiment(Path(out_dir), workload, requests, seed, workers=workers,
-                                echo=echo, full_slots=assume_full_slots, spec=spec)
+                                echo=echo, spec=spec)
     except (RuntimeError, TimeoutError, OSError) as exc:
         raise stack_failed(exc, None) from None
     if as_json:

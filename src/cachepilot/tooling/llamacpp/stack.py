@@ -16,7 +16,6 @@ from cachepilot.tooling.llamacpp.routers import RouterSpec
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
     LlamaWorkerSpec,
-    directory_capacity_blocks,
     model_path,
     threads_per_worker,
 )
@@ -43,10 +42,11 @@ class LlamaStack(LoopbackAddresses):
     port: int = 0  # Envoy's listener; 0: a free port
     block_size: int = 16
     max_tokens: int = 8  # typical completion length, for the cost model's queue terms
-    capacity_blocks: int | None = None  # None: directory_capacity_blocks(spec, prompt length)
-    prompt_tokens: int | None = None  # typical prompt length; None: prompts fill their slots
-    typical_prompt: str | None = None  # or a typical (flattened) prompt, measured in tokens
-    # the way the gateway estimates them (UTF-8 bytes / calibrated chars per token)
+    # The gateway sizes each worker's directory from the engine itself (llama-server's
+    # GET /props: slots and context per slot, one prompt chain per slot). An explicit
+    # capacity only applies until that first scrape.
+    capacity_blocks: int | None = None
+    prompt_tokens: int | None = None  # unused: kept for `cachepilot up --prompt-tokens`
     log_dir: str | None = None
     peer: RouterSpec | None = None
     model: Path | None = None
@@ -57,6 +57,7 @@ class LlamaStack(LoopbackAddresses):
     admin_port: int = 0
     gateway_port: int = 0
     peer_port: int = 0
+    directory: dict[str, Any] = field(default_factory=dict)  # the gateway's, after start
 
     @property
     def url(self) -> str:
@@ -101,23 +102,35 @@ class LlamaStack(LoopbackAddresses):
     def _start_gateway(self, timeout_s: float) -> None:
         assert self.spec is not None and self.calibration is not None
         self.gateway_port, self.admin_port = free_port(), free_port()
-        cal = self.calibration
-        if self.prompt_tokens is None and self.typical_prompt is not None:
-            self.prompt_tokens = int(len(self.typical_prompt.encode()) / cal.chars_per_token)
-        capacity = self.capacity_blocks = self.capacity_blocks or directory_capacity_blocks(
-            self.spec, self.block_size, self.prompt_tokens)
-        cost = cal.cost_model(self.max_tokens)
-        self.processes.spawn("gateway", [
-            sys.executable, "-m", "cachepilot", "gateway", "--engine", "llamacpp",
-            "--listen", f"127.0.0.1:{self.gateway_port}", "--admin-port", str(self.admin_port),
-            "--workers", ",".join(self.worker_addresses), "--policy", self.policy,
-            "--block-size", str(self.block_size),
-            "--chars-per-token", f"{cal.chars_per_token:.3f}",
-            "--capacity-blocks", str(capacity), "--cost", cost_args(cost),
-            "--scrape-timeout", "5", "--decision-log",
-            str(Path(self.log_dir or ".") / "decisions")])
+        self.processes.spawn("gateway", self.gateway_args())
         self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
                                   gateway_admin_url=self.admin_url)
+        self.directory = self._directory()
+
+    def gateway_args(self) -> list[str]:
+        """``cachepilot gateway`` for these workers: the calibrated CPU cost model and byte
+        blocks, llama.cpp's scrape timing, a decision log; no directory capacity unless one
+        was given (the gateway reads each worker's slots from its /props)."""
+        assert self.calibration is not None
+        cal = self.calibration
+        capacity = ["--capacity-blocks", str(self.capacity_blocks)] if self.capacity_blocks \
+            else []
+        return [sys.executable, "-m", "cachepilot", "gateway", "--engine", "llamacpp",
+                "--listen", f"127.0.0.1:{self.gateway_port}",
+                "--admin-port", str(self.admin_port),
+                "--workers", ",".join(self.worker_addresses), "--policy", self.policy,
+                "--block-size", str(self.block_size),
+                "--chars-per-token", f"{cal.chars_per_token:.3f}", *capacity,
+                "--cost", cost_args(cal.cost_model(self.max_tokens)),
+                "--scrape-timeout", "5", "--decision-log",
+                str(Path(self.log_dir or ".") / "decisions")]
+
+    def _directory(self) -> dict[str, Any]:
+        """The gateway's directory per worker once it has scraped them all (blocks held,
+        capacity in blocks: slots x context per slot when it read the engine's /props)."""
+        code, body = http_get(f"{self.admin_url}/pools", timeout=5.0)
+        pools = json.loads(body) if code == 200 else []
+        return pools[0]["directory"] if pools else {}
 
     def _start_peer(self, peer: RouterSpec, timeout_s: float) -> None:
         """The peer router as its own process; ready once its health check has found the

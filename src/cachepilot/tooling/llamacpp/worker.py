@@ -1,5 +1,5 @@
-"""A llama-server worker: where the binary and the model come from, how it runs, and how many
-prompts it keeps (what the gateway's directory should assume; see the package docstring)."""
+"""A llama-server worker: where the binary and the model come from and how it runs (what it
+caches, and how the gateway learns it: see the package docstring)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class LlamaWorkerSpec:
     parallel: int = 1
     ctx_per_slot: int = 1024  # tokens; -c is parallel * ctx_per_slot
     # Host-RAM prompt cache (llama-server's default is 8192 MiB, some 280 prompts here).
-    # Off by default: what it keeps is hard to predict from its size (see prompts_held), and
+    # Off by default: what it keeps is hard to predict from its size (docs/real-model.md), and
     # with it off a worker holds exactly its slots' prompts.
     cache_ram_mib: int = 0
     batch: int = 256  # -b/-ub: tokens per decode call; bounds how long /metrics waits
@@ -80,34 +80,9 @@ class LlamaWorkerSpec:
 
 # Measured here for Gemma 3 270M: a saved 580-680-token prompt state takes 27-29 MiB of the
 # prompt cache, mostly its 3 sliding-window checkpoints (7.5 MiB each): nearly flat in length.
+# (The gateway models slots only: with a prompt cache a worker also restores prompts the
+# directory has dropped, so hits beyond the slots go unpredicted.)
 PROMPT_STATE_MIB = 29
-
-
-def prompts_held(spec: LlamaWorkerSpec, state_mib: float = PROMPT_STATE_MIB) -> int:
-    """Prompts one worker keeps: one per slot, plus what fits in the prompt cache.
-
-    The prompt-cache part is optimistic. llama-server also caps the cache in tokens at its
-    size over the *average* state bytes per token, a restored prompt leaves the cache while it
-    sits in the slot, and a slot that has served several requests saves extra checkpoints
-    (36 MiB for one 587-token prompt here); with 64 MiB we saw it keep one prompt, not two,
-    and the hit prediction's precision fell to about one half (docs/real-model.md)."""
-    return spec.parallel + int(max(0, spec.cache_ram_mib) // state_mib)
-
-
-def directory_capacity_blocks(spec: LlamaWorkerSpec, block_size: int = 16,
-                              prompt_tokens: int | None = None, margin: float = 0.9) -> int:
-    """Blocks the gateway's directory should assume one llama worker holds.
-
-    llama.cpp caches whole prompts, so this is prompts held x blocks per prompt. Give the
-    typical prompt length when it is known: a capacity above the truth keeps the root blocks
-    of overwritten prompts in the directory and turns them into false hit predictions
-    (the directory evicts least recently used blocks and keeps roots longest), one below
-    it only shortens the predicted match. Prompts vary around the typical length, and one
-    block too many already predicts a (16-token) hit, so a typical length is taken at
-    ``margin`` of itself. Without one, each prompt is assumed to fill its slot (an upper
-    bound)."""
-    tokens = prompt_tokens * margin if prompt_tokens else spec.ctx_per_slot
-    return max(1, int(prompts_held(spec) * tokens) // block_size)
 
 
 def threads_per_worker(workers: int, budget: int = CPU_BUDGET) -> int:

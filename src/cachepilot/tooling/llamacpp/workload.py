@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from cachepilot.core.request import flatten_messages
 from cachepilot.sim.workloads import Dist, SimRequest, WorkloadSpec, generate
 from cachepilot.tooling.llamacpp.worker import MODEL_NAME
 from cachepilot.tooling.loadgen import chat_body
@@ -42,9 +41,3 @@ def body(req: SimRequest) -> dict[str, Any]:
 def bodies(reqs: list[SimRequest]) -> list[tuple[str, dict[str, Any]]]:
     """(document label, request body) for each request, the same for every policy."""
     return [(label(r), body(r)) for r in reqs]
-
-
-def typical_prompt(reqs: list[SimRequest]) -> str:
-    """The flattened text of a shared-document request, as the gateway hashes it."""
-    first = next(r for r in reqs if r.group.startswith("g"))
-    return flatten_messages(body(first)["messages"])
