@@ -84,6 +84,9 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @click.option("--stall-after", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds a worker may leave its requests without a first byte (answering "
                    "none) before it is taken out of routing until they end (0: never).")
+@click.option("--standby", is_flag=True, hidden=True,
+              help="Load, then wait for a line on stdin before serving (a supervisor's warm "
+                   "spare); end of input exits.")
 @click.option("--decision-log", default=None, help="Record every decision (LMDB directory).")
 @click.option("--capture-prompts", is_flag=True,
               help="Also store raw prompt text in the decision log (off: hashes only).")
@@ -96,7 +99,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
                 models: tuple[str, ...], engine: str, scrape_interval: float,
                 scrape_timeout: float, max_body_bytes: int, stall_after: float,
-                decision_log: str | None,
+                standby: bool, decision_log: str | None,
                 capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
                 capacity_blocks: int, tokenizer: str | None) -> None:
@@ -113,10 +116,11 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     if kubernetes and addrs:
         raise click.UsageError("--workers and --kubernetes exclude each other")
     listen_host, listen_port = host_port(listen, "--listen")
-    try:  # on loopback we can tell now; elsewhere the bind itself fails
-        if listen_host in ("127.0.0.1", "localhost"):
+    try:  # on loopback we can tell now; elsewhere the bind itself fails (a spare's ports
+        # belong to the gateway it stands in for)
+        if listen_host in ("127.0.0.1", "localhost") and not standby:
             check_port_free(listen_port, "--listen")
-        if admin_host in ("127.0.0.1", "localhost"):
+        if admin_host in ("127.0.0.1", "localhost") and not standby:
             check_port_free(admin_port, "--admin-port")
     except PortInUseError as exc:
         raise click.ClickException(str(exc)) from None
@@ -143,6 +147,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "
                    f"admin http://{admin_host}:{gw.admin_port}", err=True)
 
+    if standby and not sys.stdin.readline():
+        return  # the supervisor stopped without needing this spare
     gateway = Gateway(router, config)
 
     async def main() -> None:

@@ -54,7 +54,7 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
     stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
                                    weights=weights, speed=speed, fail_open=fail_open,
                                    first_byte_timeout_s=first_byte_timeout,
-                                   decision_log=decision_log))
+                                   decision_log=decision_log, gateway_spare=True))
     _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
         f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})",
         f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics",

@@ -72,6 +72,7 @@ class StackConfig:
     scrape_interval: float = 0.1
     first_byte_timeout_s: float = 60.0  # Envoy's per-try limit on a worker's first byte
     envoy: dict[str, Any] = field(default_factory=dict)  # other EnvoyOptions (limits, …)
+    gateway_spare: bool = False  # keep a warm spare gateway for restarts (cachepilot up)
     decision_log: str | None = None
     log_dir: str | None = None
     start_gateway: bool = True  # False: Envoy points at a gateway the caller runs
@@ -117,7 +118,8 @@ class LocalStack(LoopbackAddresses):
                 args += ["--decision-log", c.decision_log]
             if not c.observe_responses:
                 args += ["--no-observe-responses"]
-            self.processes.spawn("gateway", args)
+            self.processes.spawn("gateway", args,
+                                 spare_flag="--standby" if c.gateway_spare else None)
         self.envoy_port = c.port or free_port()
         self.envoy_admin_port = free_port()
         opts = EnvoyOptions(listen_address="127.0.0.1", listen_port=self.envoy_port,
