@@ -179,3 +179,39 @@ def test_heterogeneous_workers_under_unit_weights_go_to_the_lowest_predicted_ttf
     assert old_would_differ > 0
     cached = next(c for c in d.candidates if c.worker == WORKERS[0])
     assert cached.matched_blocks == 60 and cached.saved_ms > 0
+
+
+def test_a_recompute_on_a_backlogged_worker_is_priced_for_everyone_behind_it() -> None:
+    """Congestion: the prefill a placement adds delays every request that reaches that worker
+    before it catches up, so the same recompute costs more where a backlog waits. With a
+    prefix held by a busy worker, the recompute on an idle worker wins; on a worker two
+    requests behind it still gives the lower TTFT for this request, but no longer wins."""
+    from cachepilot.core.cost import CostModel, congestion_ms_of
+
+    cost = CostModel()
+    lam = 20.0 / 3 / 1000.0  # 20 req/s over three workers, per ms
+    idle = congestion_ms_of(200.0, lam, 0.0, cost)
+    behind = congestion_ms_of(200.0, lam, 600.0, cost)
+    assert idle == pytest.approx(lam * 200.0 * 100.0)
+    assert behind == pytest.approx(lam * 200.0 * 700.0) and behind > 6 * idle
+
+    r = make_router()
+    pool = r.pools["default"]
+    fp = r.fingerprint(req("doc"), pool)
+    pool.directory.insert(WORKERS[0], fp.hashes)
+    for i in range(40):  # an arrival rate to price against
+        pool.note_arrival(100.0 + i * 0.05, 2000)
+    now = 102.0
+
+    def decide(waiting_elsewhere: int) -> tuple[str, bool]:
+        pool.update_metrics(WORKERS[0], WorkerMetrics(waiting=4, running=8, scraped_at=now))
+        for w in WORKERS[1:]:
+            pool.update_metrics(w, WorkerMetrics(waiting=waiting_elsewhere, running=8,
+                                                 scraped_at=now))
+        d = r.decide(pool, "m", fp, now, "d")
+        holder = d.candidates[0]
+        return d.chosen, min(d.candidates, key=lambda c: c.predicted_ttft_ms) is holder
+
+    assert decide(0)[0] != WORKERS[0]  # an idle worker: recomputing there is cheap for all
+    chosen, holder_fastest = decide(2)
+    assert chosen == WORKERS[0] and not holder_fastest
