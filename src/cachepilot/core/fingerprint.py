@@ -7,9 +7,11 @@ hashed (a partial block is never reused by an engine either).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import cbor2
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
@@ -96,3 +98,58 @@ def fingerprint(model: str, config: BlockConfig, *, text: str = "",
     hashes = chain_hashes(raw, config.block_bytes, seed)
     tokens = max(1, round(len(raw) / config.chars_per_token)) if raw else 0
     return Fingerprint(tuple(hashes), tokens, config.block_size)
+
+
+# -- vLLM-exact block hashes (issue 13) ------------------------------------------------------
+# vLLM names each full block H((parent, tuple(block_token_ids), extra_keys)) with the first
+# block's parent NONE_HASH = H(seed) (vllm/v1/core/kv_cache_utils.py: hash_block_tokens,
+# init_none_hash). With --prefix-caching-hash-algo sha256_cbor, H is sha256 over canonical
+# CBOR (vllm/utils/hashing.py: sha256_cbor), reproducible in any process; the seed is the
+# engine's PYTHONHASHSEED (else "vllm-none-hash"), so the gateway must be told the same one.
+# KV events carry each hash as the digest's last 8 bytes, big-endian, as an unsigned int
+# (maybe_convert_block_hash): that is the key the directory uses.
+
+VLLM_DEFAULT_SEED = "vllm-none-hash"
+
+
+def sha256_cbor(obj: object) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def vllm_none_hash(seed: str = VLLM_DEFAULT_SEED) -> bytes:
+    """The parent of every first block: sha256_cbor of the seed string."""
+    return sha256_cbor(seed)
+
+
+def external_hash(digest: bytes) -> int:
+    """A block digest as KV events carry it: its last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def vllm_block_hashes(token_ids: Sequence[int], block_size: int,
+                      none_hash: bytes, extra_keys: tuple[object, ...] | None = None,
+                      ) -> list[int]:
+    """The event-form hashes of every *full* block of ``token_ids``, as vLLM computes them.
+
+    ``token_ids`` are the engine's prompt ids (BOS included: tokenised as vLLM does for
+    /v1/completions); ``none_hash`` is :func:`vllm_none_hash` of the engine's seed. The same
+    ``extra_keys`` go into every block (None without LoRA, multimodal inputs or cache_salt).
+    """
+    out: list[int] = []
+    parent = none_hash
+    ids = list(token_ids)
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = sha256_cbor((parent, tuple(ids[start:start + block_size]), extra_keys))
+        out.append(external_hash(parent))
+    return out
+
+
+def load_vllm_tokenizer(path: str) -> Tokenizer:
+    """The model's ``tokenizer.json`` encoding as vLLM does for a completions prompt: with
+    the special tokens its post-processor adds (BOS), so block 0 is the engine's block 0."""
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:  # pragma: no cover - depends on the installed extras
+        raise RuntimeError("vLLM fingerprints need: pip install 'cachepilot[tokenizers]'") from None
+    tok = HFTokenizer.from_file(path)
+    return lambda text: tok.encode(text, add_special_tokens=True).ids

@@ -1,0 +1,47 @@
+"""vLLM-exact block hashes: our pure function against vectors computed by vLLM 0.32.0's own
+``hash_block_tokens`` / ``init_none_hash`` / ``maybe_convert_block_hash`` with
+``sha256_cbor`` (tests/data/vllm_block_hashes.json, made by
+src/cachepilot/tooling/vllm/vectors.py in the vLLM venv)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachepilot.core.fingerprint import (
+    VLLM_DEFAULT_SEED,
+    external_hash,
+    vllm_block_hashes,
+    vllm_none_hash,
+)
+
+VECTORS = json.loads((Path(__file__).parent / "data" / "vllm_block_hashes.json").read_text())
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"],
+                         ids=lambda c: f"seed{c['seed']}-b{c['block_size']}-n{len(c['token_ids'])}")
+def test_hashes_equal_vllms_own(case: dict) -> None:
+    none_hash = vllm_none_hash(case["seed"] if case["seed"] is not None else VLLM_DEFAULT_SEED)
+    assert none_hash.hex() == case["none_hash"]
+    extra = tuple(case["extra_keys"]) if case["extra_keys"] else None
+    got = vllm_block_hashes(case["token_ids"], case["block_size"], none_hash, extra)
+    assert got == case["hashes"]
+    assert len(got) == len(case["token_ids"]) // case["block_size"]  # full blocks only
+
+
+def test_vectors_cover_what_matters() -> None:
+    cases = VECTORS["cases"]
+    assert VECTORS["vllm"].startswith("0.32.0") and VECTORS["algo"] == "sha256_cbor"
+    assert any(c["seed"] is None for c in cases)  # vLLM's default seed
+    assert any(len(c["token_ids"]) < c["block_size"] for c in cases)  # no full block: []
+    assert any(h >= 1 << 63 for c in cases for h in c["hashes"])  # unsigned, not signed
+    assert any(c["extra_keys"] for c in cases)
+
+
+def test_chain_and_seed_properties() -> None:
+    ids = list(range(2, 2 + 96))
+    a = vllm_block_hashes(ids, 32, vllm_none_hash("0"))
+    b = vllm_block_hashes([*ids[:64], *range(500, 532)], 32, vllm_none_hash("0"))
+    assert a[:2] == b[:2] and a[2] != b[2]  # shared prefix, shared hashes
+    assert vllm_block_hashes(ids, 32, vllm_none_hash("1"))[0] != a[0]  # seed roots the chain
+    assert external_hash(bytes(range(32))) == int.from_bytes(bytes(range(24, 32)), "big")
