@@ -6,6 +6,24 @@ would. Slot engines (llama.cpp) keep whole prompts instead, one per slot: a work
 mode (:meth:`PrefixDirectory.set_slots`) holds one chain per slot, replaced the way
 llama-server picks a slot. A single hash → worker-bitmask map makes a longest-prefix match one
 dict lookup and one AND per matched block, whatever the number of workers.
+
+Exact mode (issue 13): a worker whose engine publishes KV-cache events (vLLM's BlockStored /
+BlockRemoved / AllBlocksCleared) also has an *event set*, the blocks the engine said it holds,
+in a second hash → bitmask map. Each worker has a mode (:data:`MODES`) that says which set a
+match reads:
+
+- ``exact``: the event history is complete (from the engine's first event, or from an
+  AllBlocksCleared), so the event set is the engine's truth: match on it alone.
+- ``degraded``: events flow but the history has a hole (a late join past the publisher's
+  replay buffer, a gap replay could not fill, a replay still in flight): blocks stored since
+  are certain, older ones unknown, so match on the event set ∪ the routing-learned set.
+- ``approximate``: no usable event stream (none configured, or the publisher stopped
+  answering): match on the routing-learned set alone; a stale event set is never trusted.
+
+The routing-learned (LRU) set is kept in every mode, so a fallback starts warm; a removal
+event prunes it too (the engine said that block is gone, whatever routing guessed).
+The fingerprints must be the engine's own block hashes for events to mean anything:
+:func:`cachepilot.core.fingerprint.vllm_block_hashes`.
 """
 
 from __future__ import annotations
@@ -13,6 +31,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Final, Literal
+
+Mode = Literal["exact", "degraded", "approximate"]
+EXACT: Final = "exact"
+DEGRADED: Final = "degraded"
+APPROXIMATE: Final = "approximate"
+MODES: tuple[Mode, ...] = (EXACT, DEGRADED, APPROXIMATE)
 
 
 @dataclass(slots=True)
@@ -26,6 +51,9 @@ class _WorkerBlocks:
     slots: list[tuple[int, ...]] | None = None
     slot_blocks: int = 0
     refs: dict[int, int] = field(default_factory=dict)
+    # Exact mode: the blocks the engine's events say it holds, and which set a match reads.
+    mode: Mode = APPROXIMATE
+    events: set[int] = field(default_factory=set)
 
     def held(self) -> Iterable[int]:
         return self.refs if self.slots is not None else self.lru
@@ -38,6 +66,7 @@ class PrefixDirectory:
         self.default_capacity = default_capacity
         self._workers: dict[str, _WorkerBlocks] = {}
         self._masks: dict[int, int] = {}
+        self._event_masks: dict[int, int] = {}  # hash → workers whose events say they hold it
         self._free_bits: list[int] = []
         self._next_bit = 0
 
@@ -63,6 +92,7 @@ class PrefixDirectory:
             return
         for h in wb.held():
             self._clear(h, wb.bit)
+        self._drop_events(wb)
         self._free_bits.append(wb.bit.bit_length() - 1)
 
     def set_capacity(self, worker: str, capacity: int) -> None:
@@ -184,34 +214,120 @@ class PrefixDirectory:
             self._masks.pop(h, None)
 
     def match(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
-        """Longest cached prefix, in blocks, for each of ``workers``."""
-        wanted = {w: self._workers[w].bit for w in workers if w in self._workers}
+        """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
+        mode: the event set, the routing-learned set, or both)."""
+        wanted = {w: self._workers[w] for w in workers if w in self._workers}
         result = dict.fromkeys(wanted, 0)
-        active = 0
-        for bit in wanted.values():
-            active |= bit
-        masks = self._masks
+        learned = exact = 0  # bits reading the routing-learned / the event map
+        for wb in wanted.values():
+            if wb.mode != EXACT:
+                learned |= wb.bit
+            if wb.mode != APPROXIMATE:
+                exact |= wb.bit
+        active = learned | exact
+        masks, event_masks = self._masks, self._event_masks
         depth = 0
         for h in hashes:
-            still = active & masks.get(h, 0)
+            held = masks.get(h, 0) & learned
+            if exact:
+                held |= event_masks.get(h, 0) & exact
+            still = active & held
             if still != active:
                 dropped = active & ~still
-                for w, bit in wanted.items():
-                    if dropped & bit:
+                for w, wb in wanted.items():
+                    if dropped & wb.bit:
                         result[w] = depth
                 active = still
                 if not active:
                     return result
             depth += 1
-        for w, bit in wanted.items():
-            if active & bit:
+        for w, wb in wanted.items():
+            if active & wb.bit:
                 result[w] = depth
         return result
+
+    # -- engine events (exact mode) ------------------------------------------------------------
+    def mode(self, worker: str) -> Mode | None:
+        wb = self._workers.get(worker)
+        return wb.mode if wb is not None else None
+
+    def set_mode(self, worker: str, mode: Mode) -> None:
+        """Say which set ``worker``'s matches read. Falling back to ``approximate`` drops the
+        event set: once the stream is lost it can only go stale, and a later stream starts
+        from what it then says (``degraded`` until its history is complete again)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown directory mode {mode!r}")
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        if mode == APPROXIMATE:
+            self._drop_events(wb)
+        wb.mode = mode
+
+    def stored(self, worker: str, hashes: Iterable[int]) -> None:
+        """The engine stored these blocks (a BlockStored event's ``block_hashes``)."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        events, masks, bit = wb.events, self._event_masks, wb.bit
+        for h in hashes:
+            if h not in events:
+                events.add(h)
+                masks[h] = masks.get(h, 0) | bit
+
+    def removed(self, worker: str, hashes: Iterable[int]) -> None:
+        """The engine evicted these blocks: gone from the event set and, since the engine
+        says so, from the routing-learned set too."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        events, bit = wb.events, wb.bit
+        for h in hashes:
+            if h in events:
+                events.discard(h)
+                self._clear_event(h, bit)
+            if wb.slots is None and h in wb.lru:
+                del wb.lru[h]
+                self._clear(h, bit)
+
+    def cleared(self, worker: str) -> None:
+        """The engine dropped every block (AllBlocksCleared, or a restart): both sets empty."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        self._drop_events(wb)
+        for h in wb.held():
+            self._clear(h, wb.bit)
+        wb.lru.clear()
+        if wb.slots is not None:
+            wb.refs.clear()
+            wb.slots = [()] * len(wb.slots)
+
+    def event_blocks(self, worker: str) -> frozenset[int]:
+        wb = self._workers.get(worker)
+        return frozenset(wb.events) if wb is not None else frozenset()
+
+    def _drop_events(self, wb: _WorkerBlocks) -> None:
+        for h in wb.events:
+            self._clear_event(h, wb.bit)
+        wb.events.clear()
+
+    def _clear_event(self, h: int, bit: int) -> None:
+        mask = self._event_masks.get(h, 0) & ~bit
+        if mask:
+            self._event_masks[h] = mask
+        else:
+            self._event_masks.pop(h, None)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {w: {"blocks": len(wb.refs) if wb.slots is not None else len(wb.lru),
                     "capacity": wb.capacity, "evictions": wb.evictions}
                 for w, wb in self._workers.items()}
 
+    def modes(self) -> dict[str, dict[str, int | str]]:
+        """Per worker: its mode and how many blocks its events say it holds."""
+        return {w: {"mode": wb.mode, "event_blocks": len(wb.events)}
+                for w, wb in self._workers.items()}
+
     def distinct_blocks(self) -> int:
-        return len(self._masks)
+        return len(self._masks.keys() | self._event_masks.keys())

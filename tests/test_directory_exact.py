@@ -1,0 +1,119 @@
+"""The directory's exact mode: per worker, an event set from the engine's KV events, and a
+mode that says which set a match reads (exact: events alone; degraded: events ∪ learned;
+approximate: learned alone)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachepilot.core.directory import APPROXIMATE, DEGRADED, EXACT, PrefixDirectory
+
+A = [11, 12, 13, 14]
+B = [21, 22, 23]
+
+
+def two_workers() -> PrefixDirectory:
+    d = PrefixDirectory(100)
+    d.add_worker("w0")
+    d.add_worker("w1")
+    return d
+
+
+def test_modes_read_their_sets() -> None:
+    d = two_workers()
+    d.insert("w0", A)  # routing sent A to w0 ...
+    d.stored("w0", A[:2])  # ... but the engine says it holds only two blocks of it
+    d.stored("w1", B)  # and w1 holds B, which routing never sent there
+    assert d.mode("w0") == APPROXIMATE
+    assert d.match(A, ["w0"]) == {"w0": 4}  # approximate: what routing learned
+    assert d.match(B, ["w1"]) == {"w1": 0}
+    d.set_mode("w0", EXACT)
+    assert d.match(A, ["w0"]) == {"w0": 2}  # exact: the engine's word only
+    d.stored("w0", A[:2])
+    d.set_mode("w0", DEGRADED)
+    assert d.match(A, ["w0"]) == {"w0": 4}  # degraded: events ∪ learned
+    d.set_mode("w1", EXACT)
+    d.stored("w1", B)
+    assert d.match(B, ["w0", "w1"]) == {"w0": 0, "w1": 3}
+
+
+def test_falling_back_to_approximate_drops_the_stale_event_set() -> None:
+    d = two_workers()
+    d.set_mode("w0", EXACT)
+    d.stored("w0", B)
+    d.set_mode("w0", APPROXIMATE)
+    assert d.event_blocks("w0") == frozenset()
+    d.set_mode("w0", EXACT)
+    assert d.match(B, ["w0"]) == {"w0": 0}  # not resurrected
+
+
+def test_removal_prunes_both_sets_and_clear_empties_them() -> None:
+    d = two_workers()
+    d.set_mode("w0", DEGRADED)
+    d.insert("w0", A)
+    d.stored("w0", A)
+    d.removed("w0", [A[2]])
+    assert d.match(A, ["w0"]) == {"w0": 2}  # gone from events and from the learned set
+    d.set_mode("w0", APPROXIMATE)
+    assert d.match(A, ["w0"]) == {"w0": 2}
+    d.cleared("w0")
+    assert d.match(A, ["w0"]) == {"w0": 0}
+    assert d.stats()["w0"]["blocks"] == 0
+
+
+def test_workers_never_see_each_others_events_and_removal_forgets_all() -> None:
+    d = two_workers()
+    for w in ("w0", "w1"):
+        d.set_mode(w, EXACT)
+    d.stored("w0", A)
+    d.removed("w1", A)  # another worker's removal
+    assert d.match(A, ["w0", "w1"]) == {"w0": 4, "w1": 0}
+    d.remove_worker("w0")
+    assert d.distinct_blocks() == 0
+    d.add_worker("w2")  # reuses w0's bit
+    d.set_mode("w2", EXACT)
+    assert d.match(A, ["w2"]) == {"w2": 0}
+    assert d.modes()["w2"] == {"mode": EXACT, "event_blocks": 0}
+
+
+ops = st.lists(st.tuples(st.sampled_from(["w0", "w1"]),
+                         st.sampled_from(["stored", "removed", "cleared", "insert", "mode"]),
+                         st.lists(st.integers(1, 8), max_size=5),
+                         st.sampled_from([EXACT, DEGRADED, APPROXIMATE])), max_size=40)
+
+
+@settings(max_examples=200)
+@given(ops)
+def test_match_agrees_with_a_reference_model(seq) -> None:
+    d = two_workers()
+    events = {"w0": set(), "w1": set()}
+    learned = {"w0": set(), "w1": set()}
+    mode = {"w0": APPROXIMATE, "w1": APPROXIMATE}
+    for w, op, hs, m in seq:
+        if op == "stored":
+            d.stored(w, hs)
+            events[w] |= set(hs)
+        elif op == "removed":
+            d.removed(w, hs)
+            events[w] -= set(hs)
+            learned[w] -= set(hs)
+        elif op == "cleared":
+            d.cleared(w)
+            events[w].clear()
+            learned[w].clear()
+        elif op == "insert":
+            d.insert(w, hs)  # capacity 100: never evicts here
+            learned[w] |= set(hs)
+        else:
+            d.set_mode(w, m)
+            mode[w] = m
+            if m == APPROXIMATE:
+                events[w].clear()
+    for probe in ([1, 2, 3, 4], [5, 6, 7, 8], [2, 1], [8, 7, 6]):
+        got = d.match(probe, ["w0", "w1"])
+        for w in ("w0", "w1"):
+            held = {EXACT: events[w], APPROXIMATE: learned[w],
+                    DEGRADED: events[w] | learned[w]}[mode[w]]
+            n = 0
+            while n < len(probe) and probe[n] in held:
+                n += 1
+            assert got[w] == n, (w, mode[w], probe)
