@@ -1,0 +1,333 @@
+"""Subscribe to each worker's KV-cache events (vLLM's ZMQ publisher) and keep the directory
+exact: the I/O half of :mod:`cachepilot.core.kv_events`.
+
+Wire format (vLLM 0.32 ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``):
+
+- PUB: multipart ``[topic, seq (8 bytes big-endian), payload]``; ``payload`` is msgpack of
+  ``KVEventBatch`` = ``[ts, [event…], data_parallel_rank]`` (an array-like struct); each
+  event a map tagged ``"type"``: ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``,
+  fields at their defaults omitted. Block hashes are unsigned 64-bit ints (bytes when the
+  engine has ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: then their last 8 bytes count).
+- ROUTER (replay): send ``[b"", start (8 bytes big-endian)]`` from a DEALER; the answer is
+  ``[b"", seq, payload]`` per buffered batch with ``seq ≥ start``, then ``[b"", -1, b""]``.
+
+One :class:`KVEventHub` serves the gateway: :meth:`KVEventHub.attach` a worker (its
+directory, PUB and replay endpoints), :meth:`KVEventHub.detach` it, read
+:meth:`KVEventHub.status` for ``/workers`` and the metrics. It runs in the gateway's event
+loop (``zmq.asyncio``), so the directory is only ever touched from that loop. A malformed or
+hostile stream (garbage frames, unknown event types, absurd block counts, floods) is counted
+and skipped; it can only cost its own worker its exactness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from cachepilot.core.directory import PrefixDirectory
+from cachepilot.core.fingerprint import external_hash
+from cachepilot.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventStream,
+    KVEvent,
+)
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_FRAME_BYTES = 64 << 20  # ZMQ drops larger messages before we ever see them
+MAX_BLOCKS_PER_EVENT = 1 << 16  # 2M tokens at block size 32: more is not an engine's event
+MAX_EVENTS_PER_BATCH = 1 << 16
+RECV_BUDGET = 512  # messages per socket per loop turn: a flood cannot starve the gateway
+
+
+# -- wire format (mirrors vLLM's msgspec structs; unknown fields are ignored) ----------------
+Hash = int | bytes
+
+
+class WireBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class WireBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class WireBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class WireAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True):
+    pass
+
+
+WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
+
+_batch_decoder = msgspec.msgpack.Decoder(WireBatch)
+_event_decoder = msgspec.msgpack.Decoder(WireEvent)  # type: ignore[arg-type]
+
+
+class MalformedBatch(ValueError):
+    pass
+
+
+def _h(x: Hash) -> int:
+    return external_hash(x) if isinstance(x, bytes) else x & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def decode_batch(payload: bytes) -> tuple[list[KVEvent], int]:
+    """A payload's events as core events, and how many events were skipped (unknown type,
+    wrong shape, absurd size). Raises :class:`MalformedBatch` if the batch itself is not
+    one (then it counts as missing: the next batch shows the gap)."""
+    try:
+        batch = _batch_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedBatch(str(exc)) from None
+    if len(batch.events) > MAX_EVENTS_PER_BATCH:
+        raise MalformedBatch(f"{len(batch.events)} events in one batch")
+    out: list[KVEvent] = []
+    skipped = 0
+    for raw in batch.events:
+        try:
+            ev = _event_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            skipped += 1
+            continue
+        if isinstance(ev, WireBlockStored):
+            if len(ev.block_hashes) > MAX_BLOCKS_PER_EVENT:
+                skipped += 1
+                continue
+            parent = _h(ev.parent_block_hash) if ev.parent_block_hash is not None else None
+            out.append(BlockStored(tuple(_h(x) for x in ev.block_hashes), parent,
+                                   ev.block_size or None, ev.group_idx,
+                                   ev.kv_cache_spec_kind, ev.medium))
+        elif isinstance(ev, WireBlockRemoved):
+            if len(ev.block_hashes) > MAX_BLOCKS_PER_EVENT:
+                skipped += 1
+                continue
+            out.append(BlockRemoved(tuple(_h(x) for x in ev.block_hashes), ev.group_idx,
+                                    ev.medium))
+        else:
+            out.append(AllBlocksCleared())
+    return out, skipped
+
+
+# -- one worker's subscription --------------------------------------------------------------
+@dataclass
+class Endpoints:
+    events: str  # the PUB endpoint, e.g. tcp://10.0.0.5:5557
+    replay: str | None = None  # the ROUTER endpoint, e.g. tcp://10.0.0.5:5558
+    topic: str = ""
+
+
+@dataclass
+class _Subscription:
+    worker: str
+    endpoints: Endpoints
+    directory_of: Callable[[], PrefixDirectory]
+    stream: EventStream
+    task: asyncio.Task[None] | None = None
+    malformed_frames: int = 0
+    skipped_events: int = 0
+    connected_at: float = field(default_factory=time.monotonic)
+
+
+class KVEventHub:
+    """Per-worker KV-event subscribers feeding the pools' directories.
+
+    ``stream_options`` go to every :class:`EventStream` (``stale_after``, ``heartbeat_every``,
+    ``replay_timeout``, ``max_pending``). ``tick`` is how often each subscriber checks its
+    replay and silence timers.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, tick: float = 0.1,
+                 **stream_options: Any) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._clock = clock
+        self._tick = tick
+        self._stream_options = stream_options
+        self._subs: dict[str, _Subscription] = {}
+        self._closed = False
+
+    # -- the API the gateway calls ----------------------------------------------------------
+    def attach(self, worker: str, endpoints: Endpoints,
+               directory: PrefixDirectory | Callable[[], PrefixDirectory]) -> None:
+        """Subscribe to ``worker``'s events (again, if its endpoints changed). Must be called
+        from the running event loop that owns ``directory``."""
+        old = self._subs.get(worker)
+        if old is not None and old.endpoints == endpoints:
+            return
+        self.detach(worker)
+        directory_of = directory if callable(directory) else (lambda: directory)
+        stream = EventStream(directory_of(), worker, can_replay=endpoints.replay is not None,
+                             **self._stream_options)
+        sub = _Subscription(worker, endpoints, directory_of, stream)
+        self._subs[worker] = sub
+        sub.task = asyncio.get_running_loop().create_task(self._run(sub),
+                                                          name=f"kv-events {worker}")
+
+    def detach(self, worker: str) -> None:
+        """Stop following ``worker``; its directory entry falls back to approximate."""
+        sub = self._subs.pop(worker, None)
+        if sub is None:
+            return
+        if sub.task is not None:
+            sub.task.cancel()
+        d = sub.directory_of()
+        if worker in d:
+            d.set_mode(worker, "approximate")
+
+    def workers(self) -> list[str]:
+        return list(self._subs)
+
+    def mode(self, worker: str) -> str:
+        sub = self._subs.get(worker)
+        return sub.stream.mode if sub is not None else "approximate"
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per worker: mode, counters (gaps, replays, holes, restarts, stale, malformed…)
+        and endpoints, for ``/workers`` and the metrics."""
+        out = {}
+        for w, sub in self._subs.items():
+            st = sub.stream.status()
+            st["malformed"] = sub.malformed_frames
+            st["skipped_events"] = sub.skipped_events
+            st["endpoint"] = sub.endpoints.events
+            st["replay_endpoint"] = sub.endpoints.replay
+            out[w] = st
+        return out
+
+    async def stop(self) -> None:
+        for w in list(self._subs):
+            sub = self._subs[w]
+            self.detach(w)
+            if sub.task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await sub.task
+        self._ctx.destroy(linger=0)
+        self._closed = True
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _socket(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+        s = self._ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        s.connect(endpoint)
+        return s
+
+    async def _run(self, sub: _Subscription) -> None:
+        ep = sub.endpoints
+        pub = self._socket(zmq.SUB, ep.events)
+        pub.setsockopt(zmq.SUBSCRIBE, ep.topic.encode())
+        dealer: zmq.asyncio.Socket | None = None
+        replayed: list[tuple[int, list[KVEvent]]] = []
+        in_flight = False
+        poller = zmq.asyncio.Poller()
+        poller.register(pub, zmq.POLLIN)
+        try:
+            while True:
+                d = sub.directory_of()
+                if d is not sub.stream.directory:  # the pool rebuilt its directory
+                    sub.stream = EventStream(d, sub.worker, can_replay=ep.replay is not None,
+                                             **self._stream_options)
+                ready = dict(await poller.poll(timeout=int(self._tick * 1000)))
+                now = self._clock()
+                if pub in ready:
+                    await self._drain_live(sub, pub, now)
+                if dealer is not None and dealer in ready:
+                    done = await self._drain_replay(sub, dealer, replayed)
+                    if done:
+                        sub.stream.on_replay(replayed, ended=True, now=self._clock())
+                        replayed, in_flight = [], False
+                now = self._clock()
+                if in_flight and sub.stream.replay_from is None:
+                    in_flight = False  # the stream gave up on it (timed out)
+                want = sub.stream.replay_wanted(now)
+                if want is not None and ep.replay is not None:
+                    if in_flight or dealer is None:
+                        # A fresh socket per abandoned request: late answers to it are dropped.
+                        if dealer is not None:
+                            poller.unregister(dealer)
+                            dealer.close(linger=0)
+                        dealer = self._socket(zmq.DEALER, ep.replay)
+                        poller.register(dealer, zmq.POLLIN)
+                        replayed = []
+                    await dealer.send_multipart([b"", want.to_bytes(8, "big")])
+                    in_flight = True
+                sub.stream.on_silence_check(now)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never let one worker's stream take the gateway down
+            log.exception("KV-event subscriber for %s failed", sub.worker)
+            sub.stream.directory.set_mode(sub.worker, "approximate")
+        finally:
+            pub.close(linger=0)
+            if dealer is not None:
+                dealer.close(linger=0)
+
+    async def _drain_live(self, sub: _Subscription, pub: zmq.asyncio.Socket,
+                          now: float) -> None:
+        for _ in range(RECV_BUDGET):
+            try:
+                frames = await pub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                sub.malformed_frames += 1
+                continue
+            try:
+                events, skipped = decode_batch(frames[2])
+            except MalformedBatch:
+                sub.malformed_frames += 1
+                continue
+            sub.skipped_events += skipped
+            sub.stream.on_live(int.from_bytes(frames[1], "big"), events, now)
+        await asyncio.sleep(0)  # a flood: let the gateway's other work run
+
+    async def _drain_replay(self, sub: _Subscription, dealer: zmq.asyncio.Socket,
+                            into: list[tuple[int, list[KVEvent]]]) -> bool:
+        """Read replay answers; True once the end marker came."""
+        for _ in range(RECV_BUDGET):
+            try:
+                frames = await dealer.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if len(frames) != 3 or len(frames[1]) != 8:
+                sub.malformed_frames += 1
+                continue
+            if frames[1] == END_SEQ:
+                return True
+            try:
+                events, skipped = decode_batch(frames[2])
+            except MalformedBatch:
+                sub.malformed_frames += 1
+                continue
+            sub.skipped_events += skipped
+            into.append((int.from_bytes(frames[1], "big"), events))
+        return False
