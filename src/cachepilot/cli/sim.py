@@ -35,11 +35,17 @@ from cachepilot.sim.peers import SIM_POLICIES
               help="Speed a trace's arrivals up by this factor.")
 @click.option("--kv-blocks", default=EngineConfig().num_blocks, show_default=True,
               type=click.IntRange(16), help="KV blocks (16 tokens) of each modelled engine.")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(1),
+              help="Gateway replicas, each with its own routing state.")
+@click.option("--sharing", default="random", show_default=True,
+              type=click.Choice(["random", "round_robin", "service"]),
+              help="How requests reach a replica: at random, in turn, or per client "
+                   "connection (a Kubernetes Service).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measures as JSON.")
 def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int, workers: int,
                  load_weight: float, prefill_weight: float, kv_weight: float,
                  scrape_interval: float, trace_path: str | None, rate_scale: float,
-                 kv_blocks: int, as_json: bool) -> None:
+                 kv_blocks: int, replicas: int, sharing: str, as_json: bool) -> None:
     """Simulate one workload through the gateway's router and modelled engines."""
     from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate, ideal_ttfts
     from cachepilot.sim.measures import summarize
@@ -59,7 +65,8 @@ def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int
                                  param_hint="--trace") from None
     cfg = SimConfig(workers=workers, policy=policy, scrape_interval_s=scrape_interval,
                     weights=Weights(prefill=prefill_weight, load=load_weight, kv=kv_weight),
-                    engine=EngineConfig(num_blocks=kv_blocks))
+                    engine=EngineConfig(num_blocks=kv_blocks), replicas=replicas,
+                    sharing=sharing)
     longest = max((r.prompt_tokens + r.max_tokens for r in wl.requests), default=0)
     if longest > kv_blocks * cfg.engine.block_size:
         raise click.BadParameter(
@@ -72,7 +79,8 @@ def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int
     if as_json:
         click.echo(json.dumps(s, indent=1))
         return
-    click.echo(f"{policy} on {kind} (seed {seed}, {len(wl)} requests, {workers} workers)")
+    click.echo(f"{policy} on {kind} (seed {seed}, {len(wl)} requests, {workers} workers, "
+               f"{replicas} gateway replica{'s' if replicas > 1 else ''})")
     for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ideal_p50_s"):
         click.echo(f"  {k:22s} {s[k] * 1000:10.1f} ms")
     for k in ("throughput_rps", "throughput_out_tps", "token_hit_rate", "evictions",

@@ -61,6 +61,29 @@ class SimConfig:
     drain_limit_s: float | None = None
     # Learn each worker's TTFT model from the engines' first tokens, as the gateway does.
     learn: bool = True
+    # Gateway replicas, each a Router with its own state (directory, in-flight counts,
+    # predictor), all scraping the same engines; ``sharing`` says which replica a request
+    # reaches (see :data:`SHARINGS`).
+    replicas: int = 1
+    sharing: str = "random"
+
+
+# How requests reach one of several gateway replicas: ``random`` per request (Envoy's
+# random load balancing over the ext_proc cluster), ``round_robin`` (Envoy's default), or
+# ``service``: a Kubernetes Service balances connections, so each client (a request's
+# prefix group or session) keeps one random replica for a connection's lifetime
+# (SERVICE_REQUESTS_PER_CONNECTION requests), then reconnects to a random one.
+SHARINGS = ("random", "round_robin", "service")
+SERVICE_REQUESTS_PER_CONNECTION = 100
+
+
+@dataclass(slots=True)
+class _Replica:
+    """One gateway replica: its own pool state and router over the shared engines."""
+
+    pool: Pool
+    router: Router
+    predictor: TTFTPredictor | None
 
 
 @dataclass(slots=True)
@@ -114,20 +137,30 @@ class Simulator:
         if config.engine.block_size != BLOCK.block_size:
             raise ValueError("router and engine block sizes must be equal "
                              f"({BLOCK.block_size} vs {config.engine.block_size})")
+        if config.sharing not in SHARINGS:
+            raise ValueError(f"unknown sharing {config.sharing!r}; choose one of: "
+                             f"{', '.join(SHARINGS)}")
+        if config.replicas < 1 or (policy is not None and config.replicas > 1):
+            raise ValueError("replicas must be ≥ 1, and a policy instance serves one replica")
         spec = PoolSpec(name="sim", models=(MODEL,), policy=config.policy,
                         weights=config.weights, cost=config.cost, block=BLOCK,
                         capacity_blocks=config.engine.num_blocks)
-        self.policy = policy or make_policy(config.policy, SIM_POLICIES)
-        self.pool = Pool(spec, policy=self.policy)
-        self.predictor = TTFTPredictor() if config.learn else None
-        if self.predictor is not None:
-            plugins = (self.predictor, *plugins)
-        self.router = Router([self.pool], id_prefix="sim", plugins=plugins)
-        self.workers: dict[str, _Worker] = {}
-        for i in range(config.workers):
-            addr = f"10.0.0.{i + 1}:8000"
-            self.pool.upsert_worker(addr)
-            self.workers[addr] = _Worker(addr, Engine(config.engine))
+        addrs = [f"10.0.0.{i + 1}:8000" for i in range(config.workers)]
+        self.replicas: list[_Replica] = []
+        for i in range(config.replicas):
+            pool = Pool(spec, policy=policy or make_policy(config.policy, SIM_POLICIES))
+            for addr in addrs:
+                pool.upsert_worker(addr)
+            predictor = TTFTPredictor() if config.learn else None
+            own = (predictor, *plugins) if predictor is not None else tuple(plugins)
+            self.replicas.append(_Replica(pool, Router([pool], id_prefix=f"sim{i or ''}",
+                                                       plugins=own), predictor))
+        first = self.replicas[0]
+        self.pool, self.router, self.predictor = first.pool, first.router, first.predictor
+        self.policy = first.pool.policy
+        self.workers = {addr: _Worker(addr, Engine(config.engine)) for addr in addrs}
+        self._rng = np.random.default_rng(0)  # replica choice; seeded: runs stay paired
+        self._client_replica: dict[str, tuple[int, int]] = {}  # service: (replica, left)
         self.on_decision = on_decision
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
@@ -139,17 +172,33 @@ class Simulator:
         heapq.heappush(self._events, (t, self._seq, kind, payload))
 
     def scrape(self, now: float) -> None:
-        """Copy every engine's state into the pool, as the gateway's scraper would."""
+        """Copy every engine's state into each replica's pool, as its scraper would."""
         ecfg = self.cfg.engine
         for addr, w in self.workers.items():
             e = w.engine
             if len(e.waiting) > w.max_waiting:
                 w.max_waiting = len(e.waiting)
-            self.pool.update_metrics(addr, WorkerMetrics(
+            m = WorkerMetrics(
                 waiting=len(e.waiting), running=e.running, kv_usage=e.kv_usage(),
                 block_size=ecfg.block_size, num_blocks=ecfg.num_blocks,
                 prefix_queries=float(e.prefix_queries), prefix_hits=float(e.prefix_hits),
-                scraped_at=now))
+                scraped_at=now)
+            for rep in self.replicas:
+                rep.pool.update_metrics(addr, m)
+
+    def _replica_for(self, r: SimRequest, seq: int) -> Router:
+        n = len(self.replicas)
+        if n == 1:
+            return self.router
+        if self.cfg.sharing == "round_robin":
+            return self.replicas[seq % n].router
+        if self.cfg.sharing == "random":
+            return self.replicas[int(self._rng.integers(n))].router
+        i, left = self._client_replica.get(r.group, (0, 0))
+        if left <= 0:
+            i, left = int(self._rng.integers(n)), SERVICE_REQUESTS_PER_CONNECTION
+        self._client_replica[r.group] = (i, left - 1)
+        return self.replicas[i].router
 
     def run(self, workload: Workload | list[SimRequest]) -> RunResult:
         reqs = workload.requests if isinstance(workload, Workload) else workload
@@ -170,9 +219,9 @@ class Simulator:
             self._push(start + interval, SCRAPE, None)
         stop_at = (None if self.cfg.drain_limit_s is None
                    else last_arrival + self.cfg.drain_limit_s)
-        inflight: dict[int, tuple[Decision, Outcome]] = {}
+        inflight: dict[int, tuple[Router, Decision, Outcome]] = {}
         events = 0
-        router = self.router
+        arrivals = 0
         heap = self._events
         pop = heapq.heappop
         remaining = len(reqs)
@@ -187,6 +236,8 @@ class Simulator:
                 if interval <= 0:
                     self.scrape(t)
                 out = Outcome(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
+                router = self._replica_for(r, arrivals)
+                arrivals += 1
                 try:
                     d = router.route(InferenceRequest(model=MODEL, max_tokens=r.max_tokens,
                                                       fingerprint=r.fp, user_start=r.user_start),
@@ -203,7 +254,7 @@ class Simulator:
                 w = self.workers[d.chosen]
                 w.assigned += 1
                 er = EngineRequest(r.id, r.prompt_tokens, r.fp.hashes, r.max_tokens, t)
-                inflight[r.id] = (d, out)
+                inflight[r.id] = (router, d, out)
                 w.engine.submit(er)
                 if not w.busy:
                     self._start_step(w, t)
@@ -211,13 +262,13 @@ class Simulator:
                 w, res = payload
                 w.busy = False
                 for er in res.first_tokens:
-                    d, out = inflight[er.id]
+                    router, d, out = inflight[er.id]
                     out.first_token_at = er.first_token_at
                     out.ttft_s = er.first_token_at - out.arrival
                     out.cached_tokens = er.cached_tokens
                     router.first_token(d, out.ttft_s * 1000.0)
                 for er in res.finished:
-                    d, out = inflight.pop(er.id)
+                    router, d, out = inflight.pop(er.id)
                     out.finished_at = er.finished_at
                     router.release(d, RequestOutcome(
                         status=200, ttft_ms=None if out.ttft_s is None else out.ttft_s * 1000.0,
@@ -232,7 +283,7 @@ class Simulator:
                 self.scrape(t)
                 if remaining:
                     self._push(t + interval, SCRAPE, None)
-        for _, out in inflight.values():  # cut off by drain_limit_s: never finished
+        for _, _, out in inflight.values():  # cut off by drain_limit_s: never finished
             outcomes.append(out)
         end = max((o.finished_at for o in outcomes if o.finished_at is not None),
                   default=start)
@@ -256,7 +307,8 @@ class Simulator:
                 "utilization": s.busy_time / makespan if makespan > 0 else 0.0,
                 "evictions": s.evictions, "prefix_queries": s.prefix_queries,
                 "prefix_hits": s.prefix_hits, "completed": s.completed,
-                "directory_evictions": self.pool.directory.stats()[addr]["evictions"],
+                "directory_evictions": sum(rep.pool.directory.stats()[addr]["evictions"]
+                                           for rep in self.replicas),
                 "max_waiting_scraped": w.max_waiting,
             }
         return out
