@@ -49,6 +49,10 @@ class LlamaStack(LoopbackAddresses):
     prompt_tokens: int | None = None  # unused: kept for `cachepilot up --prompt-tokens`
     log_dir: str | None = None
     peer: RouterSpec | None = None
+    # Envoy's per-try wait for a worker's first byte. A CPU worker with a queue can take
+    # minutes to start answering; 1800 s is both peer routers' request timeout, so every
+    # router of a study gives up at the same point (the sim stack's 60 s would 504 them).
+    first_byte_timeout_s: float = 1800.0
     model: Path | None = None
     processes: Processes = field(default_factory=lambda: Processes(Path()))
     worker_ports: list[int] = field(default_factory=list)
@@ -90,9 +94,10 @@ class LlamaStack(LoopbackAddresses):
                 return self
             self._start_gateway(timeout_s)
             # Envoy joins this stack's processes: one stop, one watch.
-            self.envoy = LocalStack(StackConfig(workers=0, start_gateway=False, port=self.port,
-                                                log_dir=self.log_dir), processes=self.processes,
-                                    gateway_port=self.gateway_port, admin_port=self.admin_port)
+            self.envoy = LocalStack(StackConfig(
+                workers=0, start_gateway=False, port=self.port, log_dir=self.log_dir,
+                first_byte_timeout_s=self.first_byte_timeout_s), processes=self.processes,
+                gateway_port=self.gateway_port, admin_port=self.admin_port)
             self.envoy.start(timeout_s)
         except BaseException:
             self.stop()

@@ -54,7 +54,7 @@ class StudyConfig:
     workloads: tuple[str, ...] = tuple(WORKLOADS)
     seeds: tuple[int, ...] = (11, 12, 13)
     routers: tuple[str, ...] = DEFAULT_ROUTERS
-    requests: int = 30  # per phase
+    requests: int = 24  # per phase
     rate: float | None = None  # None: each workload's own
     workers: int = 2
     spec: LlamaWorkerSpec | None = None  # None: the stack's default for ``workers``
