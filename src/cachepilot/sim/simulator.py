@@ -39,11 +39,12 @@ from cachepilot.core.lifecycle import FIRST_TOKEN, Plugin
 from cachepilot.core.lifecycle import Outcome as RequestOutcome
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.predictor import TTFTPredictor
+from cachepilot.core.sync import ReplicaSync
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.sim.peers import SIM_POLICIES
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
 
-ARRIVAL, STEP_END, SCRAPE = 0, 1, 2
+ARRIVAL, STEP_END, SCRAPE, SYNC = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,9 @@ class SimConfig:
     # reaches (see :data:`SHARINGS`).
     replicas: int = 1
     sharing: str = "random"
+    # Replicas share placements and in-flight bookings (cachepilot.core.sync) over a bus
+    # with this one-way delay; None: they do not talk.
+    sync_delay_s: float | None = None
 
 
 # How requests reach one of several gateway replicas: ``random`` per request (Envoy's
@@ -84,6 +88,7 @@ class _Replica:
     pool: Pool
     router: Router
     predictor: TTFTPredictor | None
+    sync: ReplicaSync | None = None
 
 
 @dataclass(slots=True)
@@ -152,9 +157,11 @@ class Simulator:
             for addr in addrs:
                 pool.upsert_worker(addr)
             predictor = TTFTPredictor() if config.learn else None
-            own = (predictor, *plugins) if predictor is not None else tuple(plugins)
+            sync = (ReplicaSync(f"r{i}") if config.sync_delay_s is not None
+                    and config.replicas > 1 else None)
+            own = tuple(p for p in (predictor, sync) if p is not None) + tuple(plugins)
             self.replicas.append(_Replica(pool, Router([pool], id_prefix=f"sim{i or ''}",
-                                                       plugins=own), predictor))
+                                                       plugins=own), predictor, sync))
         first = self.replicas[0]
         self.pool, self.router, self.predictor = first.pool, first.router, first.predictor
         self.policy = first.pool.policy
@@ -279,10 +286,18 @@ class Simulator:
                         self.on_decision(d, out)
                 if w.engine.has_work():
                     self._start_step(w, t)
-            else:  # SCRAPE
+            elif kind == SCRAPE:
                 self.scrape(t)
                 if remaining:
                     self._push(t + interval, SCRAPE, None)
+            else:  # SYNC: one replica's events reach the others
+                source, batch = payload
+                for rep in self.replicas:
+                    if rep.sync is not None and rep is not source:
+                        for e in batch:
+                            rep.sync.apply(e, rep.router, t)
+            if self.cfg.sync_delay_s is not None:
+                self._send_sync(t)
         for _, _, out in inflight.values():  # cut off by drain_limit_s: never finished
             outcomes.append(out)
         end = max((o.finished_at for o in outcomes if o.finished_at is not None),
@@ -290,6 +305,13 @@ class Simulator:
         outcomes.sort(key=lambda o: o.request_id)
         return RunResult(self.cfg, wl_info, outcomes, self._worker_stats(end - start),
                          end - start, start, _time.perf_counter() - wall0, events)
+
+    def _send_sync(self, now: float) -> None:
+        """Put every replica's new events on the bus, delivered after the delay."""
+        assert self.cfg.sync_delay_s is not None
+        for rep in self.replicas:
+            if rep.sync is not None and rep.sync.outbox:
+                self._push(now + self.cfg.sync_delay_s, SYNC, (rep, rep.sync.drain()))
 
     def _start_step(self, w: _Worker, now: float) -> None:
         res = w.engine.step(now)

@@ -1,0 +1,111 @@
+"""Replica sync: another replica's placements and bookings count like our own, until their
+end arrives or their TTL passes."""
+
+from dataclasses import replace
+
+import pytest
+
+from cachepilot.core import InferenceRequest
+from cachepilot.core.lifecycle import Outcome
+from cachepilot.core.sync import (
+    Finished,
+    Placed,
+    Prefilled,
+    ReplicaSync,
+    event_from_dict,
+    event_to_dict,
+)
+from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate
+from cachepilot.sim.measures import summarize
+
+from conftest import WORKERS, make_router
+
+DOC = "a long shared document " * 80
+
+
+def req(suffix: str = "") -> InferenceRequest:
+    return InferenceRequest(model="m", prompt=DOC + suffix)
+
+
+def pair() -> tuple:
+    a, b = make_router(), make_router()
+    sa, sb = ReplicaSync("a"), ReplicaSync("b")
+    a.add_plugin(sa)
+    b.add_plugin(sb)
+    return a, b, sa, sb
+
+
+def test_a_peer_placement_is_a_hit_and_its_booking_is_load_until_it_ends() -> None:
+    a, b, sa, sb = pair()
+    d = a.route(req("q1"), 100.0)
+    (placed,) = sa.drain()
+    assert isinstance(placed, Placed) and placed.worker == d.chosen
+    sb.apply(placed, b, 100.0)
+    w = b.pools["default"].workers[d.chosen]
+    assert (w.inflight, w.pending_requests) == (1, 1)
+    assert w.pending_prefill_tokens == d.uncached_tokens > 0
+    # b now knows where a put the prefix, and that a request is being prefilled there.
+    d2 = b.route(req("q2"), 100.0)
+    there = next(c for c in d2.candidates if c.worker == d.chosen)
+    assert there.matched_tokens > 0 and there.ahead_tokens >= d.uncached_tokens
+    a.first_token(d, 50.0)
+    a.release(d, Outcome(status=200))
+    for e in sa.drain():
+        sb.apply(e, b, 100.1)
+    own = int(d2.chosen == d.chosen)  # only b's own request is left
+    assert (w.inflight, w.pending_requests) == (own, own)
+    assert sb.remote_bookings() == 0
+
+
+def test_own_events_duplicates_and_unknown_workers_change_nothing() -> None:
+    a, b, sa, sb = pair()
+    d = a.route(req(), 100.0)
+    (placed,) = sa.drain()
+    sa.apply(placed, a, 100.0)  # its own
+    assert a.pools["default"].workers[d.chosen].inflight == 1
+    sb.apply(placed, b, 100.0)
+    sb.apply(placed, b, 100.0)  # delivered twice
+    assert b.pools["default"].workers[d.chosen].inflight == 1
+    sb.apply(replace(placed, id="x", worker="10.9.9.9:1"), b, 100.0)
+    sb.apply(Finished("a", "never-placed"), b, 100.0)
+    assert sb.remote_bookings() == 1
+
+
+def test_lost_ends_expire_after_the_ttl() -> None:
+    a, b, sa, sb = pair()
+    sb.booking_ttl_s = 5.0
+    d = a.route(req(), 100.0)
+    sb.apply(sa.drain()[0], b, 100.0)
+    assert sb.expire(b, 104.0) == 0
+    assert sb.expire(b, 105.0) == 1
+    w = b.pools["default"].workers[d.chosen]
+    assert (w.inflight, w.pending_requests, w.pending_prefill_tokens) == (0, 0, 0)
+
+
+def test_events_survive_a_round_trip_and_garbage_is_refused() -> None:
+    events = [Placed("a", "1", "default", WORKERS[0], (1, 2**64 - 1), 7),
+              Prefilled("a", "1"), Finished("a", "1")]
+    assert [event_from_dict(event_to_dict(e)) for e in events] == events
+    for bad in ({}, {"kind": "placed", "replica": "a"}, {"kind": "nope", "replica": "a",
+                                                         "id": "1"}):
+        with pytest.raises(ValueError, match="not a sync event"):
+            event_from_dict(bad)
+
+
+def test_the_outbox_is_bounded_when_the_bus_is_down() -> None:
+    a = make_router()
+    s = ReplicaSync("a", max_outbox=3)
+    a.add_plugin(s)
+    for i in range(5):
+        a.route(req(str(i)), 100.0)
+    assert len(s.outbox) == 3 and s.dropped == 2
+
+
+def test_simulated_replicas_that_sync_route_like_one() -> None:
+    spec = WorkloadSpec("shared_prefix", rate=20.0, duration=20.0)
+    wl = generate(spec, 1)
+    one = summarize(Simulator(SimConfig()).run(wl))
+    apart = summarize(Simulator(SimConfig(replicas=4)).run(wl))
+    synced = summarize(Simulator(SimConfig(replicas=4, sync_delay_s=0.002)).run(wl))
+    assert apart["token_hit_rate"] < one["token_hit_rate"] - 0.03
+    assert synced["token_hit_rate"] > one["token_hit_rate"] - 0.02
