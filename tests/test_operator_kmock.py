@@ -393,14 +393,15 @@ async def test_stale_and_failing_scrapes_show_in_status_and_are_avoided(
         decision = op.router.route(InferenceRequest(model="m1", prompt="x" * 200),
                                    time.time())
         filtered = {c.worker: c.filtered for c in decision.candidates}
-        assert filtered["10.0.0.1:8000"] == "stale"
-        # Every worker failing: Ready=False, MetricsStale, and the router answers 429.
+        assert filtered["10.0.0.1:8000"] == "not_ready"  # a refused scrape: down at once
+        # Every worker failing: Ready=False, MetricsStale, and the router answers 503 (no
+        # worker is reachable: not a 429, which would tell clients the pool is busy).
         for i in (2, 3):
             scraper.values[f"http://10.0.0.{i}:8000/metrics"] = TimeoutError()
         await eventually(lambda: cluster.condition("p")["reason"] == "MetricsStale")
         with pytest.raises(RoutingError) as e:
             op.route(1)
-        assert e.value.status == 429
+        assert e.value.status == 503
         # Recovery.
         scraper.values.clear()
         await eventually(lambda: cluster.condition("p")["status"] == "True")
