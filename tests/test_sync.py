@@ -109,3 +109,17 @@ def test_simulated_replicas_that_sync_route_like_one() -> None:
     synced = summarize(Simulator(SimConfig(replicas=4, sync_delay_s=0.002)).run(wl))
     assert apart["token_hit_rate"] < one["token_hit_rate"] - 0.03
     assert synced["token_hit_rate"] > one["token_hit_rate"] - 0.02
+
+
+def test_a_joining_replica_catches_up_from_a_snapshot() -> None:
+    a, b, sa, sb = pair()
+    done = a.route(req("old"), 100.0)
+    a.release(done, Outcome(status=200))
+    live = a.route(req("new"), 100.0)
+    for e in sa.snapshot():
+        sb.apply(e, b, 100.0)
+    pool = b.pools["default"]
+    assert sb.remote_bookings() == 1  # only the request still in flight is booked
+    assert pool.workers[live.chosen].inflight == 1
+    fp = b.fingerprint(req("other"), pool)
+    assert pool.directory.match(fp.hashes, [done.chosen])[done.chosen] > 0

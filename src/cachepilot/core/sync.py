@@ -17,6 +17,7 @@ absent bus only means less shared knowledge.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +106,10 @@ class ReplicaSync(Plugin):
     applied: int = 0
     expired: int = 0
     dropped: int = 0  # outbox overflow: events this replica never sent
+    history: int = 20_000  # own recent placements kept for a joining replica's catch-up
     _remote: dict[tuple[str, str], _Booking] = field(default_factory=dict)
+    _recent: deque[Placed] = field(default_factory=deque)
+    _open: set[str] = field(default_factory=set)  # own requests not finished yet
 
     # -- this replica's lifecycle -------------------------------------------------------------
     def _emit(self, e: SyncEvent) -> None:
@@ -115,14 +119,31 @@ class ReplicaSync(Plugin):
         self.outbox.append(e)
 
     def on_routed(self, decision: Decision, pool: Pool) -> None:
-        self._emit(Placed(self.replica, decision.id, decision.pool, decision.chosen,
-                          decision.hashes, decision.uncached_tokens))
+        e = Placed(self.replica, decision.id, decision.pool, decision.chosen, decision.hashes,
+                   decision.uncached_tokens)
+        self._emit(e)
+        self._recent.append(e)
+        self._open.add(e.id)
+        while len(self._recent) > self.history:
+            self._open.discard(self._recent.popleft().id)
 
     def on_first_token(self, decision: Decision, ttft_ms: float | None) -> None:
         self._emit(Prefilled(self.replica, decision.id))
 
     def on_finish(self, decision: Decision, outcome: Outcome) -> None:
         self._emit(Finished(self.replica, decision.id))
+        self._open.discard(decision.id)
+
+    def snapshot(self) -> list[SyncEvent]:
+        """What a joining replica needs from this one: its recent placements (for the
+        directory), each followed by its end if it has ended (so only the requests still in
+        flight stay booked there)."""
+        out: list[SyncEvent] = []
+        for e in self._recent:
+            out.append(e)
+            if e.id not in self._open:
+                out.append(Finished(self.replica, e.id))
+        return out
 
     def drain(self) -> list[SyncEvent]:
         out, self.outbox = self.outbox, []
