@@ -9,7 +9,8 @@ Wire format (vLLM 0.32 ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``)
   fields at their defaults omitted. Block hashes are unsigned 64-bit ints (bytes when the
   engine has ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: then their last 8 bytes count).
 - ROUTER (replay): send ``[b"", start (8 bytes big-endian)]`` from a DEALER; the answer is
-  ``[b"", seq, payload]`` per buffered batch with ``seq ≥ start``, then ``[b"", -1, b""]``.
+  ``[b"", topic, seq, payload]`` per buffered batch with ``seq ≥ start``, then
+  ``[b"", b"", -1, b""]`` (0.32, seen live here; older releases omit the topic frame).
 
 One :class:`KVEventHub` serves the gateway: :meth:`KVEventHub.attach` a worker (its
 directory, PUB and replay endpoints), :meth:`KVEventHub.detach` it, read
@@ -312,22 +313,25 @@ class KVEventHub:
 
     async def _drain_replay(self, sub: _Subscription, dealer: zmq.asyncio.Socket,
                             into: list[tuple[int, list[KVEvent]]]) -> bool:
-        """Read replay answers; True once the end marker came."""
+        """Read replay answers; True once the end marker came. vLLM 0.32 answers
+        ``[b"", topic, seq, payload]`` (end: ``[b"", b"", -1, b""]``); earlier releases
+        ``[b"", seq, payload]``: both are read."""
         for _ in range(RECV_BUDGET):
             try:
                 frames = await dealer.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return False
-            if len(frames) != 3 or len(frames[1]) != 8:
+            if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
                 sub.malformed_frames += 1
                 continue
-            if frames[1] == END_SEQ:
+            seq_bytes, payload = frames[-2], frames[-1]
+            if seq_bytes == END_SEQ:
                 return True
             try:
-                events, skipped = decode_batch(frames[2])
+                events, skipped = decode_batch(payload)
             except MalformedBatch:
                 sub.malformed_frames += 1
                 continue
             sub.skipped_events += skipped
-            into.append((int.from_bytes(frames[1], "big"), events))
+            into.append((int.from_bytes(seq_bytes, "big"), events))
         return False

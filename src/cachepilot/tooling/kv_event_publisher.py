@@ -3,9 +3,10 @@ and for fault drills: the gateway cannot tell it from ``vllm serve --kv-events-c
 
 Like vLLM's ``ZmqEventPublisher``: a PUB socket sends ``[topic, seq (8 bytes big-endian),
 msgpack KVEventBatch]``, every batch is kept in a bounded buffer, and a ROUTER socket
-answers a replay request ``[b"", start]`` with every buffered batch from ``start`` on, then
-``[b"", -1, b""]``. Events are encoded by msgspec with structs shaped like vLLM's (tagged
-maps, fields at their default omitted; the batch an array).
+answers a replay request ``[b"", start]`` with ``[b"", topic, seq, payload]`` for every
+buffered batch from ``start`` on, then ``[b"", b"", -1, b""]`` (vLLM 0.32's frames).
+Events are encoded by msgspec with structs shaped like vLLM's (tagged maps, fields at their
+default omitted; the batch an array).
 
 Fault injection, for drills: :meth:`KVEventPublisher.drop_next` (batches numbered and
 buffered but never sent live: a gap only replay can fill), :meth:`KVEventPublisher.restart`
@@ -172,5 +173,6 @@ class KVEventPublisher:
             with self._lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start]
             for seq, payload in batches:
-                router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            router.send_multipart([client, b"", END_SEQ, b""])
+                router.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"),
+                                       payload])
+            router.send_multipart([client, b"", b"", END_SEQ, b""])
