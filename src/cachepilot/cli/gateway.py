@@ -94,6 +94,11 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="Fit each worker's prefill and queue costs to measured TTFTs.")
 @click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
               help="As in envoy-config: Envoy streams responses through the gateway.")
+@click.option("--replica-bus", default=None, metavar="nats://HOST:PORT",
+              help="Share placements and in-flight requests with the other gateway replicas "
+                   "over this NATS server.")
+@click.option("--replica-id", default="", help="This replica's name on the bus "
+              "(default: host and pid).")
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
@@ -102,7 +107,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 standby: bool, decision_log: str | None,
                 capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
-                capacity_blocks: int, tokenizer: str | None) -> None:
+                capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
+                replica_id: str) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
     from cachepilot.gateway.service import GatewayOptions
@@ -138,7 +144,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            scrape_timeout_s=scrape_timeout,
                            scrape=not kubernetes,  # the operator scrapes at each pool's interval
                            decision_log=decision_log, calibrate=calibrate,
-                           stall_after_s=stall_after,
+                           stall_after_s=stall_after, replica_bus=replica_bus,
+                           replica_id=replica_id,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
                                                   observe_responses=observe_responses))

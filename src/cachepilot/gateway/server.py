@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,7 +22,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.router import Router
+from cachepilot.core.sync import ReplicaSync
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
+from cachepilot.gateway.replica_bus import ReplicaBus
 from cachepilot.gateway.scrape import Scraper
 from cachepilot.gateway.service import (
     DecisionSink,
@@ -50,6 +54,10 @@ class GatewayConfig:
     # A worker whose requests get no first byte for this long (and that answered none of
     # them meanwhile) is taken out of routing until its requests end or it answers. 0: off.
     stall_after_s: float = 10.0
+    # Share placements and in-flight bookings with the other gateway replicas over this NATS
+    # server (cachepilot.gateway.replica_bus); None: route alone.
+    replica_bus: str | None = None
+    replica_id: str = ""  # this replica's name on the bus (default: host and pid)
 
 
 class Gateway:
@@ -67,6 +75,11 @@ class Gateway:
         self.predictor = TTFTPredictor() if self.config.calibrate else None
         if self.predictor is not None:
             router.add_plugin(self.predictor)
+        self.bus: ReplicaBus | None = None
+        if self.config.replica_bus:
+            sync = ReplicaSync(self.config.replica_id or f"{socket.gethostname()}-{os.getpid()}")
+            router.add_plugin(sync)
+            self.bus = ReplicaBus(router, sync, self.config.replica_bus)
         self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
                                    options=options)
         self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
@@ -92,6 +105,8 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.scraper.run()))
         if self.config.stall_after_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_stalls()))
+        if self.bus is not None:
+            await self.bus.start()
         self._runner = web.AppRunner(self._admin_app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.admin_host, self.config.admin_port)
@@ -122,6 +137,8 @@ class Gateway:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.bus is not None:
+            await self.bus.stop()
         await self.scraper.close()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -163,6 +180,7 @@ class Gateway:
         app.router.add_get("/pools", self._pools)
         app.router.add_get("/decisions/{id}", self._decision)
         app.router.add_get("/predictor", self._predictor)
+        app.router.add_get("/replicas", self._replicas)
         return app
 
     async def _healthz(self, _: web.Request) -> web.Response:
@@ -216,6 +234,12 @@ class Gateway:
             return web.json_response({"error": "learning is off (--no-calibrate)"}, status=404)
         return web.json_response({"workers": self.predictor.estimates(),
                                   "accuracy": self.predictor.accuracy()})
+
+    async def _replicas(self, _: web.Request) -> web.Response:
+        """This replica's exchange with the others (bus, bookings, counters)."""
+        if self.bus is None:
+            return web.json_response({"error": "no replica bus (--replica-bus)"}, status=404)
+        return web.json_response(self.bus.status())
 
 
 async def serve(gateway: Gateway, ready: Callable[[Gateway], None] | None = None) -> None:
