@@ -45,3 +45,14 @@ def test_chain_and_seed_properties() -> None:
     assert a[:2] == b[:2] and a[2] != b[2]  # shared prefix, shared hashes
     assert vllm_block_hashes(ids, 32, vllm_none_hash("1"))[0] != a[0]  # seed roots the chain
     assert external_hash(bytes(range(32))) == int.from_bytes(bytes(range(24, 32)), "big")
+
+
+def test_block_config_with_a_vllm_seed_fingerprints_as_vllm() -> None:
+    from cachepilot.core.fingerprint import BlockConfig, fingerprint
+
+    case = next(c for c in VECTORS["cases"] if c["seed"] == "0" and c["block_size"] == 32
+                and not c["extra_keys"])
+    fp = fingerprint("any-model", BlockConfig(32, vllm_seed="0"), token_ids=case["token_ids"])
+    assert list(fp.hashes) == case["hashes"] and fp.tokens == len(case["token_ids"])
+    plain = fingerprint("any-model", BlockConfig(32), token_ids=case["token_ids"])
+    assert plain.hashes != fp.hashes  # without the seed: the xxh3 scheme, unchanged

@@ -7,6 +7,7 @@ hashed (a partial block is never reused by an engine either).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ class BlockConfig:
 
     block_size: int = 16
     chars_per_token: float = 4.0
+    # vLLM's hash seed (the engine's PYTHONHASHSEED; "vllm-none-hash" if it has none): when
+    # set, token blocks are hashed exactly as a vLLM engine with sha256_cbor names them, so
+    # its KV events speak of the same hashes (exact directory). None: xxh3 chains.
+    vllm_seed: str | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -91,6 +96,9 @@ def fingerprint(model: str, config: BlockConfig, *, text: str = "",
     seed = model_seed(model)
     if token_ids is None and tokenizer is not None:
         token_ids = tokenizer(text)
+    if token_ids is not None and config.vllm_seed is not None:
+        hashes = vllm_block_hashes(token_ids, config.block_size, _none_hash(config.vllm_seed))
+        return Fingerprint(tuple(hashes), len(token_ids), config.block_size)
     if token_ids is not None:
         hashes = chain_hashes(token_bytes(token_ids), config.block_size * 4, seed)
         return Fingerprint(tuple(hashes), len(token_ids), config.block_size)
@@ -119,6 +127,9 @@ def sha256_cbor(obj: object) -> bytes:
 def vllm_none_hash(seed: str = VLLM_DEFAULT_SEED) -> bytes:
     """The parent of every first block: sha256_cbor of the seed string."""
     return sha256_cbor(seed)
+
+
+_none_hash = functools.lru_cache(maxsize=8)(vllm_none_hash)
 
 
 def external_hash(digest: bytes) -> int:
