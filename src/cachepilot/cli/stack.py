@@ -33,12 +33,15 @@ from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, ch
 @click.option("--max-restarts", type=click.IntRange(0), default=5, show_default=True,
               help="Restarts of one component within a minute before giving up (exit 1).")
 @click.option("--decision-log", default=None, help="Record every decision here (sim).")
+@click.option("--replicas", type=click.IntRange(1), default=1, show_default=True,
+              help="Gateway replicas behind Envoy (sim); more than one share placements and "
+                   "in-flight requests over a local NATS server.")
 @click.option("--prompt-tokens", type=click.IntRange(16), default=None,
               help="Typical prompt length in tokens, to size the directory to what a "
                    "llama.cpp slot keeps (llamacpp; default: prompts fill the slot's context).")
 def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
            speed: float, fail_open: bool, first_byte_timeout: float, max_restarts: int,
-           decision_log: str | None, prompt_tokens: int | None) -> None:
+           decision_log: str | None, replicas: int, prompt_tokens: int | None) -> None:
     """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM). A component that
     exits is restarted with backoff; one that keeps dying stops the stack (exit 1)."""
     try:
@@ -54,10 +57,13 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
     stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
                                    weights=weights, speed=speed, fail_open=fail_open,
                                    first_byte_timeout_s=first_byte_timeout,
-                                   decision_log=decision_log, gateway_spare=True))
+                                   decision_log=decision_log, gateway_spare=True,
+                                   replicas=replicas))
     _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
         f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})",
-        f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics",
+        f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics"
+        + (f"  ({replicas} replicas over NATS :{stack.nats_port}; "
+           f"{stack.admin_url}/replicas)" if replicas > 1 else ""),
         f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}" if decision_log else ""),
         f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
         f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'"],

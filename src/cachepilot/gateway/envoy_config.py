@@ -48,6 +48,9 @@ class EnvoyOptions:
     admin_port: int = 9901
     ext_proc_host: str = "127.0.0.1"
     ext_proc_port: int = 9002
+    # More gateway replicas on the same host (cachepilot up --replicas): Envoy spreads the
+    # ext_proc streams over all of them (round robin).
+    ext_proc_more_ports: tuple[int, ...] = ()
     fail_open: bool = False
     fallback_workers: tuple[str, ...] = ()  # host:port; required with fail_open
     observe_responses: bool = True  # stream response bodies to the gateway (TTFT, cached tokens)
@@ -339,7 +342,9 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         "local_reply_config": _local_reply_config(o),
     }
     clusters = [
-        _static_cluster("cachepilot_ext_proc", [(o.ext_proc_host, o.ext_proc_port)], http2=True),
+        _static_cluster("cachepilot_ext_proc",
+                        [(o.ext_proc_host, p) for p in (o.ext_proc_port, *o.ext_proc_more_ports)],
+                        http2=True),
         _workers_cluster(o),
     ]
     if o.fail_open:

