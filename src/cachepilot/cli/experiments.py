@@ -60,6 +60,53 @@ def seed_claims_cmd(seeds: int, out_dir: str, processes: int | None) -> None:
                   f"in {time.perf_counter() - t0:.0f} s")
 
 
+def _mooncake_trace(trace_path: str | None) -> Path | None:
+    """--trace, or the shared Mooncake trace beside the checkout when present (None: the
+    Mooncake workload is left out, as printed); a file in another format is a usage error."""
+    from cachepilot.sim import peers_study
+    from cachepilot.sim.traces import TraceFormatError, detect_format
+
+    trace = Path(trace_path) if trace_path else peers_study.MOONCAKE
+    if not trace_path and not trace.exists():
+        click.echo(f"no trace at {trace}: the Mooncake workload is left out (--trace FILE)",
+                   err=True)
+        return None
+    try:
+        if detect_format(trace) != "mooncake":
+            raise click.BadParameter(f"{trace}: not a Mooncake trace", param_hint="--trace")
+    except TraceFormatError as exc:
+        raise click.BadParameter(str(exc), param_hint="--trace") from None
+    return trace
+
+
+@experiment_group.command("replicas")
+@click.option("--seeds", default=10, show_default=True, type=click.IntRange(2, 200))
+@click.option("--out", "out_dir", default="replicas", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
+              help="A Mooncake-format trace to include (default: the shared one, if present).")
+@click.option("--processes", default=None, type=click.IntRange(1),
+              help="Worker processes (default: ≤2).")
+def replicas_cmd(seeds: int, out_dir: str, trace_path: str | None,
+                 processes: int | None) -> None:
+    """1, 2, 4 and 8 gateway replicas, alone or sharing their state, against one replica,
+    paired by seed; write report.md, results.json and a plot to OUT."""
+    from cachepilot.sim import replicas_study
+
+    trace = _mooncake_trace(trace_path)
+    with _progress() as tick:
+        data = replicas_study.run_all(seeds, trace, processes, tick)
+    stats = replicas_study.write_outputs(data, Path(out_dir))
+    for name, st in stats.items():
+        for case in ("4 alone", "4 synced"):
+            d = st[case]["vs_one"]
+            click.echo(f"{name:9s} {case:9s} hit {d['token_hit_rate']['mean'] * 100:+5.1f} pt  "
+                       f"p90 {d['ttft_p90_s']['rel']:+6.1%}"
+                       + ("" if case.endswith("alone") else
+                          "  meets" if replicas_study.meets(st) else "  MISSES"))
+    click.echo(f"wrote {Path(out_dir) / 'report.md'} in {data['wall_s']:.0f} s", err=True)
+
+
 @experiment_group.command("peers")
 @click.option("--seeds", default=10, show_default=True, type=click.IntRange(2, 200))
 @click.option("--out", "out_dir", default="peers", show_default=True,
@@ -74,19 +121,8 @@ def peers_cmd(seeds: int, out_dir: str, trace_path: str | None,
     """The default policy against the peer routers' models, paired by seed; write
     report.md, results.json and plots to OUT."""
     from cachepilot.sim import peers_study
-    from cachepilot.sim.traces import TraceFormatError, detect_format
 
-    trace = Path(trace_path) if trace_path else peers_study.MOONCAKE
-    if trace_path or trace.exists():
-        try:
-            if detect_format(trace) != "mooncake":
-                raise click.BadParameter(f"{trace}: not a Mooncake trace", param_hint="--trace")
-        except TraceFormatError as exc:
-            raise click.BadParameter(str(exc), param_hint="--trace") from None
-    else:
-        click.echo(f"no trace at {trace}: the Mooncake workload is left out (--trace FILE)",
-                   err=True)
-        trace = None
+    trace = _mooncake_trace(trace_path)
     with _progress() as tick:
         data = peers_study.run_all(seeds, trace, processes, tick)
     stats = peers_study.write_outputs(data, Path(out_dir))

@@ -1,0 +1,156 @@
+"""`cachepilot experiment replicas`: what several gateway replicas cost, and what sharing
+their state buys back.
+
+For each (workload, seed) the same requests are routed by 1 replica, and by N = 2, 4, 8
+replicas (requests spread over them at random, as Envoy spreads ext_proc streams) that either
+route alone or share placements and in-flight bookings over a bus (cachepilot.core.sync, a
+2 ms one-way delay); one more case puts 4 synced replicas behind a Kubernetes-like Service
+(each client keeps a replica per connection). Every case is compared with one replica,
+paired by seed: hit rate in points, p90 TTFT in %.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from cachepilot.sim.measures import summarize
+from cachepilot.sim.parallel import Progress, run_tasks
+from cachepilot.sim.peers_study import METRICS, workloads
+from cachepilot.sim.plots import plt
+from cachepilot.sim.simulator import Simulator
+from cachepilot.sim.stats import ci95, paired
+from cachepilot.sim.workloads import generate
+
+BUS_DELAY_S = 0.002  # one-way, as measured for NATS on loopback (0.26 ms) with headroom
+# name → (replicas, sharing, bus delay or None for "alone")
+CASES: dict[str, tuple[int, str, float | None]] = {
+    "1": (1, "random", None),
+    **{f"{n} alone": (n, "random", None) for n in (2, 4, 8)},
+    **{f"{n} synced": (n, "random", BUS_DELAY_S) for n in (2, 4, 8)},
+    "4 synced, service": (4, "service", BUS_DELAY_S),
+}
+KEYS = (*METRICS, "token_hit_rate", "imbalance_assigned")
+
+
+def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
+    name, seed, trace = task
+    spec, cfg = workloads(Path(trace) if trace else None)[name]
+    wl = generate(spec, seed)
+    runs = {}
+    for case, (n, sharing, delay) in CASES.items():
+        s = summarize(Simulator(replace(cfg, replicas=n, sharing=sharing,
+                                        sync_delay_s=delay)).run(wl))
+        runs[case] = {k: s[k] for k in (*KEYS, "requests")}
+    return {"workload": name, "seed": seed, "runs": runs}
+
+
+def run_all(seeds: int, trace: Path | None, processes: int | None = None,
+            progress: Progress | None = None) -> dict[str, Any]:
+    names = list(workloads(trace))
+    tasks = [(n, s, str(trace or "")) for n in sorted(names, key=lambda n: n != "mooncake")
+             for s in range(seeds)]
+    t0 = time.perf_counter()
+    results = run_tasks(run_task, tasks, processes, progress, lambda t: f"{t[0]} seed {t[1]}")
+    return {"results": results, "seeds": seeds, "wall_s": time.perf_counter() - t0,
+            "workloads": names}
+
+
+def analyse(data: dict[str, Any]) -> dict[str, Any]:
+    """Per workload and case: means with intervals, and the paired difference from one
+    replica (hit rate in points, TTFT percentiles relative)."""
+    out: dict[str, Any] = {}
+    for name in data["workloads"]:
+        rows = sorted((r for r in data["results"] if r["workload"] == name),
+                      key=lambda r: r["seed"])
+        if not rows:
+            continue
+
+        def vals(c: str, k: str, rows: list[dict] = rows) -> list[float]:
+            return [r["runs"][c][k] for r in rows]
+
+        out[name] = {c: {"mean": {k: ci95(vals(c, k)) for k in KEYS},
+                         "vs_one": {k: paired(vals(c, k), vals("1", k)) for k in KEYS}}
+                     for c in CASES}
+    return out
+
+
+def meets(st: dict[str, Any], case: str = "4 synced") -> bool:
+    """The issue's bar: within 2 points of one replica's hit rate, 10 % of its p90."""
+    d = st[case]["vs_one"]
+    return d["token_hit_rate"]["mean"] > -0.02 and d["ttft_p90_s"]["rel"] < 0.10
+
+
+def report(data: dict[str, Any], stats: dict[str, Any], fig: str) -> str:
+    L = ["# Several gateway replicas, alone or sharing their state", "",
+         f"`cachepilot experiment replicas --seeds {data['seeds']}`: "
+         f"{len(data['results'])} (workload, seed) tasks in {data['wall_s']:.0f} s. "
+         "Requests reach a replica at random (Envoy's spread over the ext_proc cluster) unless "
+         "the case says `service` (a client keeps its replica for a connection). `synced`: "
+         f"placements and in-flight bookings shared over a bus with {BUS_DELAY_S * 1000:g} ms "
+         "one-way delay (the gateway uses NATS). Differences are paired by seed against one "
+         "replica: hit rate in points, TTFT relative, with 95% intervals.", ""]
+    for name, st in stats.items():
+        ok = "meets" if meets(st) else "**misses**"
+        L += [f"## {name}", "", f"4 synced replicas {ok} the bar (hit rate within 2 points "
+              "of one replica's, p90 within 10 %).", "",
+              "| replicas | p50 ms | p90 ms | p99 ms | hit rate | Δ hit (points) | Δ p90 |",
+              "|---|---|---|---|---|---|---|"]
+        for c, v in st.items():
+            m, d = v["mean"], v["vs_one"]
+            dh, dp = d["token_hit_rate"], d["ttft_p90_s"]
+            L.append(f"| {c} | " + " | ".join(f"{m[k]['mean'] * 1000:.1f}" for k in METRICS)
+                     + f" | {m['token_hit_rate']['mean']:.3f} | "
+                     + ("–" if c == "1" else
+                        f"{dh['mean'] * 100:+.1f} [{dh['lo'] * 100:+.1f}, {dh['hi'] * 100:+.1f}]")
+                     + " | " + ("–" if c == "1" else
+                                f"{dp['rel']:+.1%} [{dp['rel_lo']:+.1%}, {dp['rel_hi']:+.1%}]")
+                     + " |")
+        L.append("")
+    L += ["## Plot", "", f"![{fig}]({fig})", ""]
+    return "\n".join(L)
+
+
+def plot(stats: dict[str, Any], out: Path) -> str:
+    fig, axes = plt.subplots(2, len(stats), figsize=(3.6 * len(stats), 6.4), squeeze=False)
+    for j, (name, st) in enumerate(stats.items()):
+        for row, (key, label, scale) in enumerate((("token_hit_rate", "token hit rate", 1.0),
+                                                   ("ttft_p90_s", "p90 TTFT (ms)", 1000.0))):
+            ax = axes[row][j]
+            for mode, style in (("alone", "o--"), ("synced", "s-")):
+                ns = [1, 2, 4, 8]
+                cases = ["1"] + [f"{n} {mode}" for n in ns[1:]]
+                ys = np.array([st[c]["mean"][key]["mean"] for c in cases]) * scale
+                ax.plot(ns, ys, style, label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+            ax.set_xlabel("gateway replicas")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(name)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    name = "replicas.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def write_outputs(data: dict[str, Any], out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    stats = analyse(data)
+    fig = plot(stats, out)
+    (out / "report.md").write_text(report(data, stats, fig))
+    doc = {"seeds": data["seeds"], "wall_s": data["wall_s"], "bus_delay_s": BUS_DELAY_S,
+           "cases": {c: {"replicas": n, "sharing": s, "sync_delay_s": d}
+                     for c, (n, s, d) in CASES.items()},
+           "stats": stats, "results": data["results"]}
+    (out / "results.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2
+                                                    | orjson.OPT_SERIALIZE_NUMPY))
+    return stats
