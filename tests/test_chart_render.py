@@ -44,7 +44,8 @@ def render(chart: helm.Chart, values: dict[str, Any] | None = None,
 
 
 def containers(objs: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    deployment = next(v for k, v in objs.items() if k.startswith("Deployment/"))
+    deployment = next(v for k, v in objs.items()
+                      if k.startswith("Deployment/") and not k.endswith("-nats"))
     pod = deployment["spec"]["template"]["spec"]
     return {c["name"]: c for c in pod["containers"]}
 
@@ -68,6 +69,7 @@ NON_DEFAULT = {
     "nodeSelector": {"pool": "cpu"},
     "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
     "fullnameOverride": "edge",
+    "replicaSync": {"natsUrl": "nats://nats.messaging:4222"},
 }
 
 
@@ -105,9 +107,9 @@ def test_the_schema_check_does_catch_mistakes(chart: helm.Chart) -> None:
 def test_default_render(chart: helm.Chart) -> None:
     objs = render(chart)
     kinds = sorted(k.split("/")[0] for k in objs if k != "NOTES")
-    assert kinds == ["ConfigMap", "CustomResourceDefinition", "Deployment", "Lease",
-                     "PodDisruptionBudget", "Role", "RoleBinding", "Secret", "Service",
-                     "Service", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "CustomResourceDefinition", "Deployment", "Deployment",
+                     "Lease", "PodDisruptionBudget", "Role", "RoleBinding", "Secret", "Service",
+                     "Service", "Service", "ServiceAccount"]
     deployment = objs["Deployment/cp-cachepilot"]
     assert deployment["spec"]["replicas"] == 2
     c = containers(objs)
@@ -116,6 +118,12 @@ def test_default_render(chart: helm.Chart) -> None:
     assert args[:2] == ["gateway", "--kubernetes"]
     assert "--namespace=$(POD_NAMESPACE)" in args and "--lease-name=cp-cachepilot-leader" in args
     assert "--listen=127.0.0.1:9002" in args
+    # Replicas share their routing state over the chart's own NATS (the gateway image's).
+    assert "--replica-bus=nats://cp-cachepilot-nats:4222" in args
+    assert "--replica-id=$(POD_NAME)" in args
+    nats = objs["Deployment/cp-cachepilot-nats"]["spec"]["template"]["spec"]["containers"][0]
+    assert nats["command"] == ["nats-server"] and nats["image"] == "cachepilot:0.1.0"
+    assert objs["Service/cp-cachepilot-nats"]["spec"]["ports"][0]["port"] == 4222
     env = {e["name"]: e for e in c["gateway"]["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert env["CACHEPILOT_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
@@ -220,6 +228,9 @@ def test_non_default_values_take_effect(chart: helm.Chart) -> None:
     assert pod["nodeSelector"] == {"pool": "cpu"}
     assert pod["tolerations"][0]["key"] == "dedicated"
     c = containers(objs)
+    # An existing NATS: the chart runs none of its own.
+    assert "--replica-bus=nats://nats.messaging:4222" in c["gateway"]["args"]
+    assert "Deployment/edge-nats" not in objs and "Service/edge-nats" not in objs
     assert c["gateway"]["image"] == "registry.example/cachepilot:1.2.3"
     assert c["gateway"]["imagePullPolicy"] == "Always"
     assert c["envoy"]["image"] == "envoyproxy/envoy:v1.32.1"
@@ -263,6 +274,7 @@ def test_standard_labels_on_every_object(chart: helm.Chart) -> None:
     {"gateway": {"readinessPath": "/"}},
     {"metrics": {"serviceMonitor": {"interval": "soon"}}},
     {"typo": True},
+    {"replicaSync": {"natsUrl": "redis://cache:6379"}},
 ])
 def test_values_schema_rejects_bad_values(chart: helm.Chart, bad: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmError):
@@ -287,3 +299,9 @@ def test_envoy_accepts_the_charts_config(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout + proc.stderr
+
+
+def test_replica_sync_can_be_turned_off(chart: helm.Chart) -> None:
+    objs = render(chart, {"replicaSync": {"enabled": False}})
+    assert not any(k.endswith("-nats") for k in objs)
+    assert not any(a.startswith("--replica-") for a in containers(objs)["gateway"]["args"])

@@ -63,3 +63,7 @@ app.kubernetes.io/component: gateway
 {{- define "cachepilot.leaseName" -}}
 {{- default (printf "%s-leader" (include "cachepilot.fullname" .)) .Values.gateway.leaseName | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{- define "cachepilot.natsUrl" -}}
+{{- .Values.replicaSync.natsUrl | default (printf "nats://%s-nats:4222" (include "cachepilot.fullname" .)) -}}
+{{- end }}
