@@ -54,11 +54,17 @@ def test_gateway_directory_is_sized_by_the_engine_not_a_guess(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """No capacity flag unless one is given: the gateway reads each worker's slots from
     llama-server's /props; an explicit capacity is passed through."""
-    stack = LlamaStack(workers=2, log_dir="/tmp/x", gateway_port=1, admin_port=2)
+    stack = LlamaStack(workers=2, log_dir="/tmp/x", gateway_port=1, admin_port=2,
+                       spec=LlamaWorkerSpec())
     stack.worker_ports = [3, 4]
     stack.calibration = llamacpp.Calibration(2.5, 30.0, 5.8)
     args = stack.gateway_args()
     assert "--capacity-blocks" not in args
+    # A worker is stalled only after five full-slot requests' time (at least 30 s): a cold
+    # 1024-token prompt at 20 ms/token is 20 s, not a hung worker.
+    assert args[args.index("--stall-after") + 1] == "30"
+    stack.calibration = llamacpp.Calibration(20.0, 30.0, 5.8)
+    assert stack.stall_after_s() == pytest.approx(5 * (1024 * 20 + 8 * 30) / 1000)
     assert args[args.index("--engine") + 1] == "llamacpp"
     assert args[args.index("--workers") + 1] == "127.0.0.1:3,127.0.0.1:4"
     stack.capacity_blocks = 40

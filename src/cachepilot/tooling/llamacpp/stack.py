@@ -127,8 +127,21 @@ class LlamaStack(LoopbackAddresses):
                 "--block-size", str(self.block_size),
                 "--chars-per-token", f"{cal.chars_per_token:.3f}", *capacity,
                 "--cost", cost_args(cal.cost_model(self.max_tokens)),
-                "--scrape-timeout", "5", "--decision-log",
-                str(Path(self.log_dir or ".") / "decisions")]
+                "--scrape-timeout", "5", "--stall-after", f"{self.stall_after_s():.0f}",
+                "--decision-log", str(Path(self.log_dir or ".") / "decisions")]
+
+    def stall_after_s(self) -> float:
+        """How long a worker may go without any first byte before the gateway takes it out
+        of routing. A one-thread CPU worker answers one request at a time, and a cold prompt
+        that fills its slot takes ctx x prefill ms (~10-25 s here under load), so the
+        gateway's 10 s default took busy, healthy workers out (seen in the peers study:
+        12 times in one phase, hits lost, a request refused). Five full-slot requests at
+        the measured speed, and at least 30 s: a hung worker is still caught."""
+        assert self.spec is not None and self.calibration is not None
+        cal = self.calibration
+        one = (self.spec.ctx_per_slot * cal.prefill_ms_per_token
+               + self.max_tokens * cal.decode_ms_per_token) / 1000.0
+        return max(30.0, 5 * one)
 
     def _directory(self) -> dict[str, Any]:
         """The gateway's directory per worker once it has scraped them all (blocks held,

@@ -36,10 +36,11 @@ from cachepilot.tooling.procs import http_get
 # Sized for two single-thread workers on 2 cores (a cold ~550-token prefill ≈ 1.7 s):
 # "shared" is the real-model experiment's traffic (2 shared documents, 15 % one-off ones);
 # "hotspot" is the case: one system prompt, then one of 8 documents by Zipf
-# popularity (a few hot, a long tail that two one-slot workers cannot all hold).
+# popularity (a few hot, a long tail that two one-slot workers cannot all hold); fewer hits
+# than "shared", so more work per request: a lower rate.
 WORKLOADS: dict[str, WorkloadSpec] = {
     "shared": wl.WORKLOAD,
-    "hotspot": WorkloadSpec("hotspot", rate=0.4, system_tokens=60, docs=8,
+    "hotspot": WorkloadSpec("hotspot", rate=0.3, system_tokens=60, docs=8,
                             doc=Dist(480, 0.15, 360, 600), zipf_s=1.1,
                             question=Dist(22), output=Dist(8)),
 }
@@ -54,7 +55,7 @@ class StudyConfig:
     workloads: tuple[str, ...] = tuple(WORKLOADS)
     seeds: tuple[int, ...] = (11, 12, 13)
     routers: tuple[str, ...] = DEFAULT_ROUTERS
-    requests: int = 24  # per phase
+    requests: int = 20  # per phase
     rate: float | None = None  # None: each workload's own
     workers: int = 2
     spec: LlamaWorkerSpec | None = None  # None: the stack's default for ``workers``
