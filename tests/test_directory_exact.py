@@ -72,11 +72,12 @@ def test_workers_never_see_each_others_events_and_removal_forgets_all() -> None:
     d.add_worker("w2")  # reuses w0's bit
     d.set_mode("w2", EXACT)
     assert d.match(A, ["w2"]) == {"w2": 0}
-    assert d.modes()["w2"] == {"mode": EXACT, "event_blocks": 0}
+    assert d.modes()["w2"] == {"mode": EXACT, "event_blocks": 0, "pending_blocks": 0}
 
 
 ops = st.lists(st.tuples(st.sampled_from(["w0", "w1"]),
-                         st.sampled_from(["stored", "removed", "cleared", "insert", "mode"]),
+                         st.sampled_from(["stored", "removed", "cleared", "insert", "mode",
+                                          "age"]),
                          st.lists(st.integers(1, 8), max_size=5),
                          st.sampled_from([EXACT, DEGRADED, APPROXIMATE])), max_size=40)
 
@@ -87,33 +88,60 @@ def test_match_agrees_with_a_reference_model(seq) -> None:
     d = two_workers()
     events = {"w0": set(), "w1": set()}
     learned = {"w0": set(), "w1": set()}
+    pending = {"w0": {}, "w1": {}}  # hash -> generation
+    gen = {"w0": 0, "w1": 0}
     mode = {"w0": APPROXIMATE, "w1": APPROXIMATE}
     for w, op, hs, m in seq:
         if op == "stored":
             d.stored(w, hs)
             events[w] |= set(hs)
+            for h in hs:
+                pending[w].pop(h, None)
         elif op == "removed":
             d.removed(w, hs)
             events[w] -= set(hs)
             learned[w] -= set(hs)
+            for h in hs:
+                pending[w].pop(h, None)
         elif op == "cleared":
             d.cleared(w)
             events[w].clear()
             learned[w].clear()
+            pending[w].clear()
         elif op == "insert":
             d.insert(w, hs)  # capacity 100: never evicts here
             learned[w] |= set(hs)
+            if mode[w] != APPROXIMATE:
+                pending[w].update((h, gen[w]) for h in hs if h not in events[w])
+        elif op == "age":
+            d.age_pending(w)
+            gen[w] += 1
+            pending[w] = {h: g for h, g in pending[w].items() if g > gen[w] - 2}
         else:
             d.set_mode(w, m)
             mode[w] = m
             if m == APPROXIMATE:
                 events[w].clear()
+                pending[w].clear()
     for probe in ([1, 2, 3, 4], [5, 6, 7, 8], [2, 1], [8, 7, 6]):
         got = d.match(probe, ["w0", "w1"])
         for w in ("w0", "w1"):
-            held = {EXACT: events[w], APPROXIMATE: learned[w],
-                    DEGRADED: events[w] | learned[w]}[mode[w]]
+            announced = events[w] | set(pending[w])
+            held = {EXACT: announced, APPROXIMATE: learned[w],
+                    DEGRADED: announced | learned[w]}[mode[w]]
             n = 0
             while n < len(probe) and probe[n] in held:
                 n += 1
             assert got[w] == n, (w, mode[w], probe)
+
+
+def test_routed_blocks_count_until_announced_or_aged_out() -> None:
+    d = two_workers()
+    d.set_mode("w0", EXACT)
+    d.insert("w0", A)  # routed: its prefill is running, nothing announced yet
+    assert d.match(A, ["w0", "w1"]) == {"w0": 4, "w1": 0}
+    d.stored("w0", A[:2])  # the engine announced two blocks ...
+    d.age_pending("w0")
+    d.age_pending("w0")  # ... and never the other two: they age out
+    assert d.match(A, ["w0"]) == {"w0": 2}
+    assert d.modes()["w0"] == {"mode": EXACT, "event_blocks": 2, "pending_blocks": 0}

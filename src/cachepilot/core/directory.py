@@ -13,7 +13,10 @@ in a second hash → bitmask map. Each worker has a mode (:data:`MODES`) that sa
 match reads:
 
 - ``exact``: the event history is complete (from the engine's first event, or from an
-  AllBlocksCleared), so the event set is the engine's truth: match on it alone.
+  AllBlocksCleared), so the event set is the engine's truth: match on it, plus the blocks
+  of requests routed there whose prefill has not been announced yet (*pending*, aged out
+  after a few generations: without them a second request for a prefix still being
+  computed would be predicted a miss, and the engine gives it a hit once it is scheduled).
 - ``degraded``: events flow but the history has a hole (a late join past the publisher's
   replay buffer, a gap replay could not fill, a replay still in flight): blocks stored since
   are certain, older ones unknown, so match on the event set ∪ the routing-learned set.
@@ -54,6 +57,10 @@ class _WorkerBlocks:
     # Exact mode: the blocks the engine's events say it holds, and which set a match reads.
     mode: Mode = APPROXIMATE
     events: set[int] = field(default_factory=set)
+    # Blocks routed here whose BlockStored has not come yet (the prefill is still running):
+    # hash → the generation it was routed in; aged out by :meth:`PrefixDirectory.age_pending`.
+    pending: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    generation: int = 0
 
     def held(self) -> Iterable[int]:
         return self.refs if self.slots is not None else self.lru
@@ -137,6 +144,8 @@ class PrefixDirectory:
         wb = self._workers.get(worker)
         if wb is None:
             return
+        if wb.mode != APPROXIMATE:
+            self._add_pending(wb, hashes)
         if wb.slots is not None:
             self._insert_slot(wb, hashes)
             return
@@ -269,11 +278,12 @@ class PrefixDirectory:
         wb = self._workers.get(worker)
         if wb is None:
             return
-        events, masks, bit = wb.events, self._event_masks, wb.bit
+        events, masks, bit, pending = wb.events, self._event_masks, wb.bit, wb.pending
         for h in hashes:
             if h not in events:
                 events.add(h)
                 masks[h] = masks.get(h, 0) | bit
+                pending.pop(h, None)  # confirmed
 
     def removed(self, worker: str, hashes: Iterable[int]) -> None:
         """The engine evicted these blocks: gone from the event set and, since the engine
@@ -283,6 +293,7 @@ class PrefixDirectory:
             return
         events, bit = wb.events, wb.bit
         for h in hashes:
+            wb.pending.pop(h, None)
             if h in events:
                 events.discard(h)
                 self._clear_event(h, bit)
@@ -307,10 +318,43 @@ class PrefixDirectory:
         wb = self._workers.get(worker)
         return frozenset(wb.events) if wb is not None else frozenset()
 
+    def age_pending(self, worker: str, keep: int = 2) -> None:
+        """Start a new generation; pending blocks routed ``keep`` or more generations ago
+        that the engine never announced are dropped (the adapter calls this on its clock,
+        so a generation is a few seconds: longer than a prefill)."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        wb.generation += 1
+        oldest = wb.generation - keep
+        pending = wb.pending
+        while pending:
+            h, gen = next(iter(pending.items()))
+            if gen > oldest:
+                break
+            del pending[h]
+            if h not in wb.events:
+                self._clear_event(h, wb.bit)
+
+    def _add_pending(self, wb: _WorkerBlocks, hashes: Sequence[int]) -> None:
+        masks, bit, pending, gen = self._event_masks, wb.bit, wb.pending, wb.generation
+        for h in hashes:
+            if h in wb.events:
+                continue
+            if h in pending:
+                pending.move_to_end(h)
+            else:
+                masks[h] = masks.get(h, 0) | bit
+            pending[h] = gen
+
     def _drop_events(self, wb: _WorkerBlocks) -> None:
         for h in wb.events:
             self._clear_event(h, wb.bit)
+        for h in wb.pending:
+            if h not in wb.events:
+                self._clear_event(h, wb.bit)
         wb.events.clear()
+        wb.pending.clear()
 
     def _clear_event(self, h: int, bit: int) -> None:
         mask = self._event_masks.get(h, 0) & ~bit
@@ -326,7 +370,8 @@ class PrefixDirectory:
 
     def modes(self) -> dict[str, dict[str, int | str]]:
         """Per worker: its mode and how many blocks its events say it holds."""
-        return {w: {"mode": wb.mode, "event_blocks": len(wb.events)}
+        return {w: {"mode": wb.mode, "event_blocks": len(wb.events),
+                    "pending_blocks": len(wb.pending)}
                 for w, wb in self._workers.items()}
 
     def distinct_blocks(self) -> int:

@@ -98,6 +98,9 @@ class EventStream:
     replay_timeout: float = 2.0  # s to wait for a replay's end marker
     max_pending: int = 4096  # live batches held while a replay is awaited
     can_replay: bool = True  # the publisher has a replay endpoint
+    # Routed blocks not yet announced count as held for one to two of these periods (s):
+    # longer than a prefill takes on the engine (sub-second on a GPU, ~10 s on this CPU).
+    pending_every: float = 5.0
     counters: StreamCounters = field(default_factory=StreamCounters)
     next_seq: int | None = None  # the next number to apply; None: no position yet
     complete: bool = False  # the applied history starts at the engine's start or a clear
@@ -107,6 +110,7 @@ class EventStream:
     pending: dict[int, Sequence[KVEvent]] = field(default_factory=dict)
     # group_idx → kind, learned from BlockStored (BlockRemoved carries only the group).
     groups: dict[int, str | None] = field(default_factory=dict)
+    last_aged: float | None = None
 
     def __post_init__(self) -> None:
         self.directory.set_mode(self.worker, APPROXIMATE)
@@ -182,7 +186,13 @@ class EventStream:
 
     def on_silence_check(self, now: float) -> None:
         """Fall back to approximate when the publisher has not answered for ``stale_after``
-        (only with a replay endpoint: without one, vLLM's idle silence looks the same)."""
+        (only with a replay endpoint: without one, vLLM's idle silence looks the same), and
+        age the directory's pending (routed, unannounced) blocks."""
+        if self.last_aged is None:
+            self.last_aged = now
+        elif now - self.last_aged >= self.pending_every:
+            self.directory.age_pending(self.worker)
+            self.last_aged = now
         if (self.can_replay and self.last_heard is not None
                 and now - self.last_heard > self.stale_after and self.mode != APPROXIMATE):
             self.counters.stale += 1
