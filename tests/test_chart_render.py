@@ -121,6 +121,7 @@ def test_default_render(chart: helm.Chart) -> None:
     # Replicas share their routing state over the chart's own NATS (the gateway image's).
     assert "--replica-bus=nats://cp-cachepilot-nats:4222" in args
     assert "--replica-id=$(POD_NAME)" in args
+    assert "--replica-subject=cachepilot.serving.cp-cachepilot" in args  # its own subject
     nats = objs["Deployment/cp-cachepilot-nats"]["spec"]["template"]["spec"]["containers"][0]
     assert nats["command"] == ["nats-server"] and nats["image"] == "cachepilot:0.1.0"
     assert objs["Service/cp-cachepilot-nats"]["spec"]["ports"][0]["port"] == 4222

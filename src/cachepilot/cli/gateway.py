@@ -99,6 +99,9 @@ def routing_options(f):  # type: ignore[no-untyped-def]
                    "over this NATS server.")
 @click.option("--replica-id", default="", help="This replica's name on the bus "
               "(default: host and pid).")
+@click.option("--replica-subject", default="cachepilot.sync", show_default=True,
+              help="NATS subject of this deployment's replicas (one per deployment sharing "
+                   "a NATS server).")
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
@@ -108,7 +111,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
                 capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
-                replica_id: str) -> None:
+                replica_id: str, replica_subject: str) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
     from cachepilot.gateway.service import GatewayOptions
@@ -145,7 +148,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            scrape=not kubernetes,  # the operator scrapes at each pool's interval
                            decision_log=decision_log, calibrate=calibrate,
                            stall_after_s=stall_after, replica_bus=replica_bus,
-                           replica_id=replica_id,
+                           replica_id=replica_id, replica_subject=replica_subject,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
                                                   observe_responses=observe_responses))

@@ -58,6 +58,7 @@ class GatewayConfig:
     # server (cachepilot.gateway.replica_bus); None: route alone.
     replica_bus: str | None = None
     replica_id: str = ""  # this replica's name on the bus (default: host and pid)
+    replica_subject: str = "cachepilot.sync"  # one per deployment sharing a NATS server
 
 
 class Gateway:
@@ -79,7 +80,8 @@ class Gateway:
         if self.config.replica_bus:
             sync = ReplicaSync(self.config.replica_id or f"{socket.gethostname()}-{os.getpid()}")
             router.add_plugin(sync)
-            self.bus = ReplicaBus(router, sync, self.config.replica_bus)
+            self.bus = ReplicaBus(router, sync, self.config.replica_bus,
+                                  subject=self.config.replica_subject)
         self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
                                    options=options)
         self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
