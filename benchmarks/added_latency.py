@@ -1,13 +1,27 @@
-"""Latency that Envoy + CachePilot's ext_proc add over Envoy straight to a worker.
+"""Latency a router adds over going straight to the worker, as a client sees it.
 
-Four Envoys share one simulated worker (run so fast that its engine time is ~0): a plain
-Envoy routing to it, Envoy + a no-op ext_proc server (grpc.aio, answers at once: the cost of
-the mechanism itself), Envoy + gateway, and Envoy + gateway without response observation.
-Requests (non-streamed, ~8k-token prompts) go to the three in turn at ``--rate`` requests/s
-each, so machine noise lands on all of them alike; the figures are differences of
-percentiles measured in one run.
+Every path fronts the same near-instant simulated worker (``sim-worker --speed 100000``), in
+one run, interleaved request by request (so machine noise lands on every path alike):
 
-    python benchmarks/added_latency.py [--rate 100] [--seconds 15]
+* ``direct``: the client talks to the worker itself (the baseline);
+* ``envoy``: a plain Envoy, round robin to the worker;
+* ``sglang``: sglang-router ``cache_aware`` (PyPI, the ``peers`` extra);
+* ``vllm``: vllm-router ``cache_aware``;
+* ``cachepilot``: Envoy + the gateway, default configuration, with a decision log;
+* optional CachePilot variants (``--variants``): ``sync-observe`` (the configuration before
+  issue 12: every response message goes to the gateway and waits for its answer),
+  ``no-observe`` (routing only), ``noop`` (Envoy + a no-op Python ext_proc server).
+
+Closed loop (``--loop closed``): one request in flight, the paths in turn. Open loop
+(``--loop open``): ``--rate`` requests/s per path, sent on schedule whatever is in flight.
+Prompts of ``--sizes`` KB, ``random`` (every prompt different) or ``shared`` (a long
+common prefix, 256 bytes of their own). Non-streamed, ``max_tokens`` 1. Reported per path:
+p50 and p99 end to end, added p50/p99 over ``direct``, and CachePilot's added latency as a
+ratio of sglang-router's (the issue's bar: p50 ≤ 1.5× or within 0.5 ms, p99 ≤ 2×).
+
+    python benchmarks/added_latency.py                      # closed loop, 8 and 32 KB, both
+    python benchmarks/added_latency.py --loop open --rate 50 --variants sync-observe,no-observe
+    python benchmarks/added_latency.py --json runs/added.json
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import random
 import subprocess
 import sys
@@ -22,6 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -32,7 +48,6 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
@@ -40,16 +55,20 @@ from cachepilot.gateway.service import DESTINATION_HEADER
 from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import envoy_binary, free_port
 
+MODEL = "sim-llama-8b"
+PEERS = {"sglang": ("sglang-router", "launch", "warn", "readiness"),
+         "vllm": ("vllm-router", None, "warning", "health")}
+
 
 def direct_bootstrap(port: int, admin: int, worker: str) -> dict:
-    """The same bootstrap minus ext_proc, routing to the worker as a static cluster."""
+    """The gateway's bootstrap minus ext_proc, routing to the worker as a static cluster."""
     cfg = build_bootstrap(EnvoyOptions(listen_address="127.0.0.1", listen_port=port,
                                        admin_port=admin, fail_open=True,
                                        fallback_workers=(worker,)))
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][1:]
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
+    hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][-1:]
     vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
-    vhost["routes"] = vhost["routes"][1:]  # only the fallback (static) route
+    vhost["routes"] = vhost["routes"][-1:]  # only the fallback (static) route
     return cfg
 
 
@@ -74,7 +93,7 @@ class NoopProcessor(ep_grpc.ExternalProcessorServicer):
 
 
 def start_noop(worker: str) -> int:
-    """Run the no-op processor on its own loop in a thread; returns its port."""
+    """The no-op processor on its own loop in a thread; returns its port."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
@@ -93,119 +112,234 @@ def start_noop(worker: str) -> int:
 _KEEP: list[object] = []
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rate", type=float, default=100.0, help="requests/s per path")
-    ap.add_argument("--seconds", type=float, default=15.0)
-    ap.add_argument("--tokens", type=int, default=8192)
-    args = ap.parse_args()
-    console = Console()
-    tmp = Path(tempfile.mkdtemp(prefix="cachepilot-bench-"))
-    procs: list[subprocess.Popen[bytes]] = []
+class Stack:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(name: str, argv: list[str]) -> None:
-        procs.append(subprocess.Popen(argv, stdout=open(tmp / f"{name}.log", "wb"),  # noqa: SIM115
-                                      stderr=subprocess.STDOUT))
+    def spawn(self, name: str, argv: list[str]) -> None:
+        self.procs.append(subprocess.Popen(argv, stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115
+                                           stderr=subprocess.STDOUT))
 
-    wport, gport, aport = free_port(), free_port(), free_port()
-    worker = f"127.0.0.1:{wport}"
-    cp = [sys.executable, "-m", "cachepilot"]
-    spawn("worker", [*cp, "sim-worker", "--port", str(wport), "--speed", "100000",
-                     "--num-blocks", "65536"])
-    spawn("gateway", [*cp, "gateway", "--listen", f"127.0.0.1:{gport}", "--admin-port",
-                      str(aport), "--workers", worker, "--engine", "sim"])
-    paths: dict[str, int] = {}
-    noop_port = start_noop(worker)
-    configs = {
-        "envoy → worker": direct_bootstrap(free_port(), free_port(), worker),
-        "envoy + no-op ext_proc": build_bootstrap(EnvoyOptions(
-            listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
-            ext_proc_port=noop_port, observe_responses=False)),
-        "envoy + cachepilot": build_bootstrap(EnvoyOptions(
-            listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
-            ext_proc_port=gport)),
-        "envoy + cachepilot, no response observation": build_bootstrap(EnvoyOptions(
-            listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
-            ext_proc_port=gport, observe_responses=False)),
-    }
-    try:
-        for i, (name, cfg) in enumerate(configs.items()):
-            path = tmp / f"envoy{i}.yaml"
-            path.write_text(yaml.safe_dump(copy.deepcopy(cfg)))
-            spawn(f"envoy{i}", [envoy_binary(), "-c", str(path), "--concurrency", "1",
-                                "--disable-hot-restart", "-l", "warning"])
-            paths[name] = cfg["static_resources"]["listeners"][0]["address"][
-                "socket_address"]["port_value"]
-        deadline = time.time() + 30
-        while http_get(f"http://127.0.0.1:{aport}/readyz")[0] != 200 if _up(aport) else True:
-            if time.time() > deadline:
-                raise TimeoutError(f"stack not ready; logs in {tmp}")
-            time.sleep(0.2)
-        time.sleep(1.0)
-        results = asyncio.run(drive(paths, args, console))
-    finally:
-        for p in procs:
+    def envoy(self, name: str, cfg: dict) -> int:
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(copy.deepcopy(cfg)))
+        self.spawn(name, [envoy_binary(), "-c", str(path), "--concurrency", "1",
+                          "--disable-hot-restart", "-l", "warning"])
+        return cfg["static_resources"]["listeners"][0]["address"]["socket_address"][
+            "port_value"]
+
+    def gateway(self, name: str, worker: str, *extra: str) -> tuple[int, int]:
+        gport, aport = free_port(), free_port()
+        self.spawn(name, [sys.executable, "-m", "cachepilot", "gateway", "--listen",
+                          f"127.0.0.1:{gport}", "--admin-port", str(aport), "--workers", worker,
+                          "--engine", "sim", "--decision-log", str(self.tmp / f"{name}-log"),
+                          *extra])
+        return gport, aport
+
+    def stop(self) -> None:
+        for p in self.procs:
             p.terminate()
-        for p in procs:
-            p.wait()
-    base = results["envoy → worker"]
-    table = Table(title=f"End-to-end latency, {args.tokens:,}-token prompts, {args.rate:g} "
-                        "req/s per path (ms)")
-    for col in ("path", "n", "errors", "p50", "p99", "added p50", "added p99"):
-        table.add_column(col, justify="right")
-    for name, (lat, errors) in results.items():
-        p50, p99 = np.percentile(lat, 50), np.percentile(lat, 99)
-        b50, b99 = np.percentile(base[0], 50), np.percentile(base[0], 99)
-        table.add_row(name, str(len(lat)), str(errors), f"{p50:.2f}", f"{p99:.2f}",
-                      "" if name == "envoy → worker" else f"{p50 - b50:+.2f}",
-                      "" if name == "envoy → worker" else f"{p99 - b99:+.2f}")
-    console.print(table)
-    console.print("targets: added ≤ 1 ms p50 and ≤ 3 ms p99")
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
-def _up(port: int) -> bool:
-    try:
-        http_get(f"http://127.0.0.1:{port}/healthz", timeout=0.3)
-        return True
-    except OSError:
-        return False
+def wait_ok(urls: list[str], timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    pending = list(urls)
+    while pending:
+        try:
+            if http_get(pending[0], timeout=0.5)[0] == 200:
+                pending.pop(0)
+                continue
+        except OSError:
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"not ready: {pending[0]}")
+        time.sleep(0.2)
 
 
-async def drive(paths: dict[str, int], args: argparse.Namespace, console: Console
-                ) -> dict[str, tuple[np.ndarray, int]]:
-    rng = random.Random(0)
-    docs = ["".join(rng.choices("abcdefgh ", k=args.tokens * 4)) for _ in range(8)]
-    names = list(paths)
+def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
+          ) -> tuple[dict[str, int], list[str]]:
+    """Start every path; returns name → HTTP port, and the URLs that say it is ready."""
+    ports: dict[str, int] = {"direct": int(worker.rsplit(":", 1)[1])}
+    ready: list[str] = []
+
+    def opts(gport: int, **kw: Any) -> EnvoyOptions:
+        return EnvoyOptions(listen_address="127.0.0.1", listen_port=free_port(),
+                            admin_port=free_port(), ext_proc_port=gport, workers=(worker,), **kw)
+
+    if "envoy" in paths:
+        ports["envoy"] = stack.envoy("envoy", direct_bootstrap(free_port(), free_port(), worker))
+    for peer in ("sglang", "vllm"):
+        if peer in paths:
+            exe, sub, quiet, health = PEERS[peer]
+            port = free_port()
+            stack.spawn(peer, [str(Path(sys.executable).parent / exe), *([sub] if sub else []),
+                               "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                               f"http://{worker}", "--policy", "cache_aware",
+                               "--prometheus-port", str(free_port()), "--log-level", quiet])
+            ports[peer] = port
+            ready.append(f"http://127.0.0.1:{port}/{health}")
+    gateways = {"cachepilot": ((), {}), "sync-observe": ((), {"observe_async": False}),
+                "no-observe": (("--no-observe-responses",), {"observe_responses": False})}
+    for name in ["cachepilot", *variants] if "cachepilot" in paths else variants:
+        if name == "noop":
+            cfg = build_bootstrap(opts(start_noop(worker), observe_responses=False))
+        else:
+            args, kw = gateways[name]
+            gport, aport = stack.gateway(f"gw-{name}", worker, *args)
+            cfg = build_bootstrap(opts(gport, **kw))
+            ready.append(f"http://127.0.0.1:{aport}/readyz")
+        ports[name] = stack.envoy(f"envoy-{name}", cfg)
+    return ports, ready
+
+
+def prompts(kind: str, size: int, n: int, rng: random.Random) -> list[str]:
+    """``random``: every prompt its own text; ``shared``: one of 4 long common prefixes, then
+    256 bytes of its own."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz     "
+    if kind == "random":
+        pool = "".join(rng.choices(alphabet, k=size * 8))
+        return [f"{i} " + pool[(o := rng.randrange(len(pool) - size)):o + size - 8]
+                for i in range(n)]
+    heads = ["".join(rng.choices(alphabet, k=size - 256)) for _ in range(4)]
+    return [heads[i % 4] + "".join(rng.choices(alphabet, k=256)) for i in range(n)]
+
+
+async def run_cell(session: aiohttp.ClientSession, ports: dict[str, int], bodies: list[bytes],
+                   loop: str, rate: float) -> dict[str, tuple[np.ndarray, int]]:
+    names = list(ports)
     lat: dict[str, list[float]] = {n: [] for n in names}
     errors = dict.fromkeys(names, 0)
-    n = int(args.rate * args.seconds)
-    gap = 1.0 / (args.rate * len(names))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def one(name: str, body: bytes) -> None:
-            t0 = time.perf_counter()
-            async with session.post(f"http://127.0.0.1:{paths[name]}/v1/completions",
-                                    data=body, headers={"content-type": "application/json"}
-                                    ) as resp:
+    async def one(name: str, body: bytes) -> None:
+        t0 = time.perf_counter()
+        try:
+            async with session.post(f"http://127.0.0.1:{ports[name]}/v1/completions", data=body,
+                                    headers={"content-type": "application/json"}) as resp:
                 await resp.read()
-                if resp.status != 200:
-                    errors[name] += 1
-                    return
+                ok = resp.status == 200
+        except aiohttp.ClientError:
+            ok = False
+        if ok:
             lat[name].append((time.perf_counter() - t0) * 1000)
+        else:
+            errors[name] += 1
 
+    # Warm every path's connections (not counted).
+    for name in names:
+        for body in bodies[:5]:
+            await one(name, body)
+    for n in names:
+        lat[n].clear()
+        errors[n] = 0
+    order = list(names)
+    if loop == "closed":
+        for i, body in enumerate(bodies):
+            random.Random(i).shuffle(order)  # each round in its own order
+            for name in order:
+                await one(name, body)
+    else:
+        gap = 1.0 / (rate * len(names))
         tasks = []
-        with Progress(console=console, transient=True) as progress:
-            bar = progress.add_task("requests", total=n * len(names))
-            start = time.perf_counter()
-            for i in range(n * len(names)):
-                await asyncio.sleep(max(0.0, start + i * gap - time.perf_counter()))
-                body = orjson.dumps({"model": "sim-llama-8b", "max_tokens": 1,
-                                     "prompt": docs[i % len(docs)] + str(i)})
-                t = asyncio.create_task(one(names[i % len(names)], body))
-                t.add_done_callback(lambda _t: progress.advance(bar))
-                tasks.append(t)
-            await asyncio.gather(*tasks)
+        start = time.perf_counter()
+        k = 0
+        for body in bodies:
+            for name in names:
+                await asyncio.sleep(max(0.0, start + k * gap - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(name, body)))
+                k += 1
+        await asyncio.gather(*tasks)
     return {k: (np.array(v), errors[k]) for k, v in lat.items()}
+
+
+def summarise(res: dict[str, tuple[np.ndarray, int]]) -> dict[str, dict[str, float]]:
+    b50, b99 = (float(np.percentile(res["direct"][0], q)) for q in (50, 99))
+    out = {}
+    for name, (lat, err) in res.items():
+        p50, p99 = (float(np.percentile(lat, q)) if len(lat) else float("nan") for q in (50, 99))
+        out[name] = {"n": len(lat), "errors": err, "p50_ms": p50, "p99_ms": p99,
+                     "added_p50_ms": p50 - b50, "added_p99_ms": p99 - b99}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loop", choices=["closed", "open", "both"], default="closed")
+    ap.add_argument("--sizes", default="8,32", help="prompt sizes in KB")
+    ap.add_argument("--prompts", default="random,shared")
+    ap.add_argument("--requests", type=int, default=300, help="per path and cell")
+    ap.add_argument("--rate", type=float, default=50.0, help="open loop: requests/s per path")
+    ap.add_argument("--paths", default="direct,envoy,sglang,vllm,cachepilot")
+    ap.add_argument("--variants", default="", help="sync-observe,no-observe,noop")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    args = ap.parse_args()
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="cachepilot-added-"))
+    stack = Stack(tmp)
+    wport = free_port()
+    worker = f"127.0.0.1:{wport}"
+    stack.spawn("worker", [sys.executable, "-m", "cachepilot", "sim-worker", "--port",
+                           str(wport), "--speed", "100000", "--num-blocks", "262144"])
+    paths = [p for p in args.paths.split(",") if p]
+    variants = [v for v in args.variants.split(",") if v]
+    loops = ["closed", "open"] if args.loop == "both" else [args.loop]
+    results: dict[str, Any] = {"command": " ".join(sys.argv), "cells": []}
+    try:
+        ports, ready = build(stack, worker, paths, variants)
+        wait_ok([f"http://{worker}/metrics", *ready])
+        time.sleep(1.5)  # a scrape or two
+
+        async def drive() -> None:
+            rng = random.Random(0)
+            conn = aiohttp.TCPConnector(limit=0, force_close=False)
+            async with aiohttp.ClientSession(connector=conn) as session:
+                for loop in loops:
+                    for kb in (int(s) for s in args.sizes.split(",")):
+                        for kind in args.prompts.split(","):
+                            texts = prompts(kind, kb * 1024, args.requests + 5, rng)
+                            bodies = [orjson.dumps({"model": MODEL, "max_tokens": 1,
+                                                    "prompt": t}) for t in texts]
+                            t0 = time.time()
+                            res = await run_cell(session, ports, bodies, loop, args.rate)
+                            cell = {"loop": loop, "kb": kb, "prompts": kind,
+                                    "seconds": round(time.time() - t0, 1),
+                                    "paths": summarise(res)}
+                            results["cells"].append(cell)
+                            show(console, cell)
+
+        asyncio.run(drive())
+    finally:
+        stack.stop()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    console.print(f"logs: {tmp}")
+
+
+def show(console: Console, cell: dict[str, Any]) -> None:
+    p = cell["paths"]
+    table = Table(title=f"{cell['loop']} loop, {cell['kb']} KB {cell['prompts']} prompts "
+                        f"({cell['seconds']} s): ms")
+    for col in ("path", "n", "err", "p50", "p99", "added p50", "added p99",
+                "÷ sglang p50", "÷ sglang p99"):
+        table.add_column(col, justify="right")
+    sg = p.get("sglang")
+    for name, r in p.items():
+        ratio = ("", "")
+        if sg and name not in ("direct", "sglang"):
+            ratio = tuple(f"{r[k] / sg[k]:.2f}" if sg[k] > 0 else "inf"
+                          for k in ("added_p50_ms", "added_p99_ms"))
+        table.add_row(name, str(r["n"]), str(r["errors"]), f"{r['p50_ms']:.2f}",
+                      f"{r['p99_ms']:.2f}",
+                      "" if name == "direct" else f"{r['added_p50_ms']:+.2f}",
+                      "" if name == "direct" else f"{r['added_p99_ms']:+.2f}", *ratio)
+    console.print(table)
 
 
 if __name__ == "__main__":

