@@ -40,6 +40,7 @@ class VllmWorkerSpec:
     enforce_eager: bool = True
     served_name: str = SERVED_NAME
     extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     def args(self, venv: Path, model: Path, port: int, events_port: int) -> list[str]:
         # vLLM's PUB binds a wildcard endpoint and *connects* to any other: hence "*".
@@ -66,7 +67,7 @@ class VllmWorkerSpec:
                 "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
                 "PYTHONHASHSEED": self.hash_seed, "VLLM_CACHE_ROOT": str(cache),
                 "TMPDIR": str(tmp), "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1"}
+                "DO_NOT_TRACK": "1", **dict(self.extra_env)}
 
 
 @dataclass
