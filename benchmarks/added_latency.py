@@ -10,7 +10,11 @@ one run, interleaved request by request (so machine noise lands on every path al
 * ``cachepilot``: Envoy + the gateway, default configuration, with a decision log;
 * optional CachePilot variants (``--variants``): ``sync-observe`` (the configuration before
   issue 12: every response message goes to the gateway and waits for its answer),
-  ``no-observe`` (routing only), ``noop`` (Envoy + a no-op Python ext_proc server).
+  ``observe-late`` (the observing stream starts at the response headers),
+  ``no-observe`` (routing only), ``no-log`` (no decision log), ``uvloop`` (the gateway on
+  uvloop's event loop), ``noop`` / ``noop-uvloop`` / ``noop-sync`` (Envoy + a no-op Python
+  ext_proc server of its own: grpc.aio, grpc.aio on uvloop, grpcio's thread-pool server:
+  what the mechanism costs before any routing).
 
 Closed loop (``--loop closed``): one request in flight, the paths in turn. Open loop
 (``--loop open``): ``--rate`` requests/s per path, sent on schedule whatever is in flight.
@@ -92,9 +96,13 @@ class NoopProcessor(ep_grpc.ExternalProcessorServicer):
                         yield ep.ProcessingResponse(request_body=ep.BodyResponse())
 
 
-def start_noop(worker: str) -> int:
+def start_noop(worker: str, uvloop: bool = False) -> int:
     """The no-op processor on its own loop in a thread; returns its port."""
-    loop = asyncio.new_event_loop()
+    if uvloop:
+        import uvloop as uv
+        loop = uv.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def start() -> tuple[grpc.aio.Server, int]:
@@ -110,6 +118,48 @@ def start_noop(worker: str) -> int:
 
 
 _KEEP: list[object] = []
+
+
+class SyncNoopProcessor(ep_grpc.ExternalProcessorServicer):
+    """The no-op processor on grpcio's thread-pool server (no asyncio)."""
+
+    def __init__(self, worker: str) -> None:
+        self.inner = NoopProcessor(worker)
+
+    def Process(self, requests, context):  # type: ignore[no-untyped-def]
+        chunks = 0
+        for msg in requests:
+            if msg.HasField("request_body"):
+                chunks += 1
+                if msg.request_body.end_of_stream:
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+                        response=self.inner.set))
+                    for _ in range(chunks):
+                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+
+
+def serve_noop(port: int, worker: str, kind: str) -> None:
+    """``--serve-noop``: a no-op processor as its own process (not sharing the client's GIL)."""
+    if kind == "sync":
+        from concurrent.futures import ThreadPoolExecutor
+        server = grpc.server(ThreadPoolExecutor(max_workers=8))
+        ep_grpc.add_ExternalProcessorServicer_to_server(SyncNoopProcessor(worker), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        server.wait_for_termination()
+        return
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(worker), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    if kind == "uvloop":
+        import uvloop
+        uvloop.install()
+    asyncio.run(run())
 
 
 class Stack:
@@ -129,12 +179,17 @@ class Stack:
         return cfg["static_resources"]["listeners"][0]["address"]["socket_address"][
             "port_value"]
 
-    def gateway(self, name: str, worker: str, *extra: str) -> tuple[int, int]:
+    def gateway(self, name: str, worker: str, *extra: str, uvloop: bool = False,
+                log: bool = True) -> tuple[int, int]:
         gport, aport = free_port(), free_port()
-        self.spawn(name, [sys.executable, "-m", "cachepilot", "gateway", "--listen",
+        # uvloop: the same CLI with uvloop's event loop policy installed first.
+        run = (["-c", "import sys, uvloop; uvloop.install(); sys.argv[0] = 'cachepilot'; "
+                      "from cachepilot.cli import main; main()"] if uvloop
+               else ["-m", "cachepilot"])
+        logs = ["--decision-log", str(self.tmp / f"{name}-log")] if log else []
+        self.spawn(name, [sys.executable, *run, "gateway", "--listen",
                           f"127.0.0.1:{gport}", "--admin-port", str(aport), "--workers", worker,
-                          "--engine", "sim", "--decision-log", str(self.tmp / f"{name}-log"),
-                          *extra])
+                          "--engine", "sim", *logs, *extra])
         return gport, aport
 
     def stop(self) -> None:
@@ -184,14 +239,20 @@ def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
                                "--prometheus-port", str(free_port()), "--log-level", quiet])
             ports[peer] = port
             ready.append(f"http://127.0.0.1:{port}/{health}")
-    gateways = {"cachepilot": ((), {}), "sync-observe": ((), {"observe_async": False}),
-                "no-observe": (("--no-observe-responses",), {"observe_responses": False})}
+    gateways: dict[str, tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]] = {
+        "cachepilot": ((), {}, {}), "sync-observe": ((), {"observe_async": False}, {}),
+        "no-observe": (("--no-observe-responses",), {"observe_responses": False}, {}),
+        "no-log": ((), {}, {"log": False}), "uvloop": ((), {}, {"uvloop": True}),
+        "observe-late": ((), {"observe_request_headers": False}, {})}
     for name in ["cachepilot", *variants] if "cachepilot" in paths else variants:
-        if name == "noop":
-            cfg = build_bootstrap(opts(start_noop(worker), observe_responses=False))
+        if name.startswith("noop"):
+            nport = free_port()
+            stack.spawn(name, [sys.executable, __file__, "--serve-noop", str(nport), worker,
+                               name.removeprefix("noop").strip("-") or "aio"])
+            cfg = build_bootstrap(opts(nport, observe_responses=False))
         else:
-            args, kw = gateways[name]
-            gport, aport = stack.gateway(f"gw-{name}", worker, *args)
+            args, kw, how = gateways[name]
+            gport, aport = stack.gateway(f"gw-{name}", worker, *args, **how)
             cfg = build_bootstrap(opts(gport, **kw))
             ready.append(f"http://127.0.0.1:{aport}/readyz")
         ports[name] = stack.envoy(f"envoy-{name}", cfg)
@@ -268,6 +329,9 @@ def summarise(res: dict[str, tuple[np.ndarray, int]]) -> dict[str, dict[str, flo
 
 
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--serve-noop":
+        serve_noop(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        return
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loop", choices=["closed", "open", "both"], default="closed")
@@ -276,7 +340,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300, help="per path and cell")
     ap.add_argument("--rate", type=float, default=50.0, help="open loop: requests/s per path")
     ap.add_argument("--paths", default="direct,envoy,sglang,vllm,cachepilot")
-    ap.add_argument("--variants", default="", help="sync-observe,no-observe,noop")
+    ap.add_argument("--variants", default="",
+                    help="sync-observe,observe-late,no-observe,no-log,uvloop,noop,noop-uvloop,noop-sync")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     console = Console()

@@ -66,6 +66,11 @@ class EnvoyOptions:
     # to the gateway and never waits for it (off: the routing stream answers every response
     # message in turn, which the client waits for).
     observe_async: bool = True
+    # The observing stream starts with the request headers (the decision id), so a request
+    # whose client leaves before any answer is released at once. Off: it starts with the
+    # response headers, one message less per request, and such a request is released only
+    # after the gateway's GatewayOptions.unobserved_after_s.
+    observe_request_headers: bool = True
     # How long Envoy keeps an observing stream open after its request has ended, for the
     # gateway to read what is queued on it (a burst can put it seconds behind); the gateway
     # ends the stream itself once it has seen the response's end.
@@ -299,9 +304,10 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
             "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "overrides": {
                 "processing_mode": {
-                    "request_header_mode": "SEND", "request_body_mode": "NONE",
-                    "request_trailer_mode": "SKIP", "response_header_mode": "SEND",
-                    "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"},
+                    "request_header_mode": "SEND" if o.observe_request_headers else "SKIP",
+                    "request_body_mode": "NONE", "request_trailer_mode": "SKIP",
+                    "response_header_mode": "SEND", "response_body_mode": "STREAMED",
+                    "response_trailer_mode": "SKIP"},
                 "grpc_initial_metadata": [{"key": ROLE_METADATA, "value": OBSERVE_ROLE}]}}
     post = {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
     routes = [

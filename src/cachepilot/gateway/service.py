@@ -89,7 +89,9 @@ class GatewayOptions:
     # releases the request (off: on the routing stream, which releases it when it ends).
     observe_async: bool = True
     # A routed request whose observing stream has not started after this long never gets one
-    # (Envoy configured without it, or the stream failed): released as aborted.
+    # (Envoy configured without it, or the stream failed): released as aborted. With Envoy's
+    # observe_request_headers off the stream starts at the first byte: set this above Envoy's
+    # first-byte timeout then.
     unobserved_after_s: float = 10.0
 
 
@@ -278,16 +280,9 @@ class Processor:
         (None: not a routed request, nothing to observe)."""
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            did = None
-            for h in msg.request_headers.headers.headers:
-                if h.key == DECISION_HEADER:
-                    did = h.raw_value.decode("latin-1") if h.raw_value else h.value
-                    break
-            ex = self.live.get(did) if did else None
-            if ex is not None:
-                ex.observed = True
-                self.unobserved.pop(did, None)  # type: ignore[arg-type]
-            return ex
+            return self._bind(msg.request_headers)
+        if ex is None and kind == "response_headers":  # no request headers: bind here
+            ex = self._bind(msg.response_headers)
         if ex is None:
             return None
         if kind == "response_headers":
@@ -295,6 +290,19 @@ class Processor:
         elif kind == "response_body":
             self._response_body(ex, msg.response_body)
         return ex
+
+    def _bind(self, msg: ep.HttpHeaders) -> Exchange | None:
+        """The routed exchange whose decision id these headers carry (request headers: set by
+        the routing stream; response headers: added by Envoy's route)."""
+        for h in msg.headers.headers:
+            if h.key == DECISION_HEADER:
+                did = h.raw_value.decode("latin-1") if h.raw_value else h.value
+                ex = self.live.get(did)
+                if ex is not None:
+                    ex.observed = True
+                    self.unobserved.pop(did, None)
+                return ex
+        return None
 
     def stream_ended(self, ex: Exchange | None, *, observing: bool = False) -> None:
         """A stream closed. A routing stream hands a routed exchange over to its observing
