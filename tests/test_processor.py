@@ -163,3 +163,62 @@ def test_a_bug_in_routing_costs_one_request_not_the_gateway(proc: Processor,
 
     out = asyncio.run(collect())
     assert out[-1].immediate_response.status.code == 500
+
+
+def test_an_observing_stream_takes_the_request_over_and_records_its_outcome(proc) -> None:
+    ex, _ = exchange(proc, chat(stream=True))
+    d = ex.decision
+    w = proc.router.pools["default"].workers[d.chosen]
+    proc.stream_ended(ex)  # Envoy ends the routing stream with the request phase
+    assert w.inflight == 1 and d.id in proc.unobserved  # handed over, not released
+    obs = proc.observe(None, headers("/v1/chat/completions", **{DECISION_HEADER: d.id}))
+    assert obs is ex and d.id not in proc.unobserved
+    proc.observe(obs, headers("", response=True, **{WORKER_HEADER: d.chosen}))
+    proc.observe(obs, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
+                           response=True))
+    proc.observe(obs, body(b'data: {"usage":{"prompt_tokens_details":{"cached_tokens":32}}}'
+                           b'\n\n', eos=True, response=True))
+    assert ex.done and w.inflight == 0 and d.id not in proc.live
+    out = proc.sink.outcomes[d.id]
+    assert out["cached_tokens"] == 32 and out["ttft_kind"] == "first_token" and not out["aborted"]
+    proc.stream_ended(obs, observing=True)  # nothing more to release
+    assert w.inflight == 0
+
+
+def test_an_observing_stream_can_start_at_the_response_headers(proc) -> None:
+    ex, _ = exchange(proc, chat())
+    d = ex.decision
+    proc.stream_ended(ex)
+    # Envoy's route adds the decision id to the response (%REQ(x-cachepilot-decision-id)%).
+    obs = proc.observe(None, headers("", response=True, **{WORKER_HEADER: d.chosen,
+                                                            DECISION_HEADER: d.id}))
+    assert obs is ex
+    proc.observe(obs, body(b'{"usage":{"prompt_tokens_details":{"cached_tokens":7}}}',
+                           response=True))
+    assert proc.sink.outcomes[d.id]["cached_tokens"] == 7
+    assert proc.sink.outcomes[d.id]["ttft_kind"] == "first_byte"
+
+
+def test_a_client_gone_before_any_answer_is_released_when_its_observing_stream_ends(proc):
+    ex, _ = exchange(proc, chat())
+    proc.stream_ended(ex)
+    obs = proc.observe(None, headers("/v1/chat/completions",
+                                     **{DECISION_HEADER: ex.decision.id}))
+    proc.stream_ended(obs, observing=True)
+    assert proc.sink.outcomes[ex.decision.id]["aborted"]
+    assert proc.router.pools["default"].workers[ex.decision.chosen].inflight == 0
+
+
+def test_a_request_no_observing_stream_takes_over_is_released_later() -> None:
+    now = [100.0]
+    p = Processor(make_router(), sink=Sink(), clock=lambda: now[0],
+                  options=GatewayOptions(unobserved_after_s=10.0))
+    ex, _ = exchange(p, chat())
+    p.stream_ended(ex)
+    w = p.router.pools["default"].workers[ex.decision.chosen]
+    assert p.stalled(105.0, after_s=60.0) == {} and w.inflight == 1
+    p.stalled(111.0, after_s=60.0)
+    assert w.inflight == 0 and p.sink.outcomes[ex.decision.id]["aborted"]
+    # An observing stream for an unknown or finished decision observes nothing.
+    assert p.observe(None, headers("/v1/chat/completions",
+                                   **{DECISION_HEADER: ex.decision.id})) is None

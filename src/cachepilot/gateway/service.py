@@ -152,6 +152,7 @@ class Exchange:
     done: bool = False
     observed: bool = False  # an observing stream has taken this exchange over
     sees_response: bool = False  # the routing stream carries the response itself
+    handed_over: float = 0.0  # when the routing stream ended, leaving it to the observer
 
 
 class Processor:
@@ -185,9 +186,8 @@ class Processor:
         if kind == "request_body":
             return self._request_body(ex, msg.request_body)
         if kind == "response_headers":
-            if ex.decision is not None and not ex.sees_response:  # the routing stream does
+            if ex.decision is not None:  # the routing stream carries the response itself
                 ex.sees_response = True
-                self.unobserved.pop(ex.decision.id, None)
             return [self._response_headers(ex, msg.response_headers)]
         if kind == "response_body":
             return [self._response_body(ex, msg.response_body)]
@@ -262,7 +262,6 @@ class Processor:
         self.awaiting.setdefault(decision.chosen, {})[decision.id] = ex.started
         if self.options.observe_responses and self.options.observe_async:
             self.live[decision.id] = ex
-            self.unobserved[decision.id] = ex
             self._release_unobserved(ex.started)
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
         out = [ep.ProcessingResponse(
@@ -309,17 +308,21 @@ class Processor:
         stream (which ends it); otherwise the request is over, however it ended."""
         if ex is None or ex.done:
             return
-        if not observing and ex.decision is not None and not ex.sees_response \
-                and (ex.observed or ex.decision.id in self.unobserved):
+        d = ex.decision
+        if not observing and d is not None and not ex.sees_response and d.id in self.live:
+            if not ex.observed:  # not yet taken over: wait for the observing stream
+                ex.handed_over = self.clock()
+                self.unobserved[d.id] = ex
             return  # the observing stream (or, failing that, the sweep) releases it
         self.finish(ex, aborted=True)
 
     def _release_unobserved(self, now: float) -> None:
-        """Release routed requests no observing stream ever took over (oldest first)."""
+        """Release routed requests no observing stream took over within ``unobserved_after_s``
+        of their routing stream's end (oldest first)."""
         limit = self.options.unobserved_after_s
         while self.unobserved:
             ex = next(iter(self.unobserved.values()))
-            if now - ex.started < limit:
+            if now - ex.handed_over < limit:
                 return
             if not ex.done:
                 log.warning("no observing stream for decision %s after %.0fs; released as "
