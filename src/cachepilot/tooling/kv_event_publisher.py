@@ -176,3 +176,37 @@ class KVEventPublisher:
                 router.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"),
                                        payload])
             router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+
+class EngineTap:
+    """Publish a simulated engine's cache changes as KV events, with no hook in the engine:
+    after each ``engine.step`` the hashed blocks it holds (in use or cached free) are compared
+    with those before, and what appeared is a BlockStored, what went a BlockRemoved. One set
+    difference per step (~50 µs for 8k blocks). A block evicted and stored again within one
+    step is no change, which is also what the engine holds afterwards.
+
+    Hook into the simulated worker (tooling/sim_worker.py): create it beside the engine and
+    call :meth:`after_step` after every ``engine.step(...)``.
+    """
+
+    def __init__(self, engine: Any, publisher: KVEventPublisher, block_size: int) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.block_size = block_size
+        self._held = self._blocks()
+
+    def _blocks(self) -> set[int]:
+        # The engine's own bookkeeping (sim/engine.py): hashed blocks in use and cached free.
+        return set(self.engine._in_use) | set(self.engine._free_cached)
+
+    def after_step(self) -> int | None:
+        """Publish this step's changes; returns the batch's number, or None if none."""
+        now = self._blocks()
+        removed, stored = self._held - now, now - self._held
+        self._held = now
+        events: list[KVEvent] = []
+        if removed:
+            events.append(BlockRemoved(tuple(removed)))
+        if stored:
+            events.append(BlockStored(tuple(stored), block_size=self.block_size))
+        return self.publisher.publish(events) if events else None
