@@ -200,3 +200,26 @@ def test_decode_matches_vllms_struct_encoding() -> None:
     assert skipped == 0
     assert events == [BlockStored((2**64 - 1, 7), None, 32, 0, "full_attention", "GPU"),
                       BlockRemoved((9,), None, "GPU"), AllBlocksCleared()]
+
+
+async def test_follow_pools_attaches_and_detaches_as_workers_come_and_go(hub) -> None:
+    from types import SimpleNamespace
+
+    from cachepilot.gateway.kv_events import port_endpoints, sync_pools
+
+    e1, e2 = Engine(), Engine()
+    d = directory("10.0.0.1:8000", "10.0.0.2:8000")
+    pool = SimpleNamespace(workers={"10.0.0.1:8000": object()}, directory=d)
+    by_addr = {"10.0.0.1:8000": e1.endpoints(), "10.0.0.2:8000": e2.endpoints()}
+    sync_pools(hub, {"p": pool}, lambda _p, a: by_addr[a])
+    assert hub.workers() == ["10.0.0.1:8000"]
+    e1.store(1)
+    await converge(lambda: synced(d, e1, w="10.0.0.1:8000"))
+    pool.workers = {"10.0.0.2:8000": object()}  # one pod went, another came
+    sync_pools(hub, {"p": pool}, lambda _p, a: by_addr[a])
+    assert hub.workers() == ["10.0.0.2:8000"] and d.mode("10.0.0.1:8000") == "approximate"
+    e2.store(5)
+    await converge(lambda: synced(d, e2, w="10.0.0.2:8000"))
+    ep = port_endpoints(5557, 5558)("p", "10.1.2.3:8000")
+    assert (ep.events, ep.replay, ep.topic) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558",
+                                                "kv-events")

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,3 +335,42 @@ class KVEventHub:
             sub.skipped_events += skipped
             into.append((int.from_bytes(seq_bytes, "big"), events))
         return False
+
+
+EndpointsFor = Callable[[str, str], Endpoints | None]  # (pool name, worker address)
+
+
+def port_endpoints(port: int = 5557, replay_port: int | None = 5558,
+                   topic: str = "kv-events") -> EndpointsFor:
+    """Every worker publishes on the same ports of its own host (a Kubernetes pod, or
+    ``--kv-events-config`` with ``tcp://*:5557`` and ``replay_endpoint`` ``tcp://*:5558``)."""
+    def endpoints(_pool: str, address: str) -> Endpoints:
+        host = address.rsplit(":", 1)[0]
+        return Endpoints(f"tcp://{host}:{port}",
+                         f"tcp://{host}:{replay_port}" if replay_port else None, topic)
+    return endpoints
+
+
+def sync_pools(hub: KVEventHub, pools: Mapping[str, Any], endpoints_for: EndpointsFor) -> None:
+    """Follow exactly the workers the pools have now (``router.pools``: each pool with
+    ``.workers`` and ``.directory``): attach new ones, re-attach moved ones, detach gone ones.
+    Call it from the gateway's loop whenever membership may have changed (or every second)."""
+    wanted: dict[str, tuple[Endpoints, Callable[[], PrefixDirectory]]] = {}
+    for name, pool in pools.items():
+        for address in pool.workers:
+            ep = endpoints_for(name, address)
+            if ep is not None:
+                wanted[address] = (ep, lambda pool=pool: pool.directory)
+    for address in hub.workers():
+        if address not in wanted:
+            hub.detach(address)
+    for address, (ep, directory_of) in wanted.items():
+        hub.attach(address, ep, directory_of)
+
+
+async def follow_pools(hub: KVEventHub, pools: Mapping[str, Any], endpoints_for: EndpointsFor,
+                       every_s: float = 1.0) -> None:
+    """:func:`sync_pools` every ``every_s`` for the gateway's lifetime (a task it cancels)."""
+    while True:
+        sync_pools(hub, pools, endpoints_for)
+        await asyncio.sleep(every_s)
