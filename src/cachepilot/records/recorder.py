@@ -81,13 +81,17 @@ class Recorder:
     def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_age_s: float | None = DEFAULT_MAX_AGE_S, queue_size: int = 8192,
                  batch_size: int = 512, durable: bool = True, capture_prompts: bool = False,
-                 source: str = "gateway", retention_interval_s: float = 1.0,
+                 source: str = "gateway", retention_interval_s: float = 1.0, linger_s: float = 0.02,
                  registry: CollectorRegistry | None = None, router: Any = None) -> None:
         self.store = Store(path, max_bytes=max_bytes, max_age_s=max_age_s, durable=durable)
         self.path = self.store.path
         self.capture_prompts = capture_prompts
         self.source = source
         self.batch_size = batch_size
+        # After the first item of a batch, wait this long for more: one LMDB transaction (and,
+        # durable, one fsync) per 20 ms instead of one per record at a light load, and fewer
+        # moments when the writer thread holds the GIL the gateway's event loop wants.
+        self.linger_s = linger_s
         self.retention_interval_s = retention_interval_s
         self.written = {"decision": 0, "outcome": 0}
         self.dropped: dict[str, int] = {}
@@ -184,11 +188,20 @@ class Recorder:
             except queue.Empty:
                 first = None
             items = [] if first is None else [first]
-            while len(items) < self.batch_size:
+            deadline = time.monotonic() + self.linger_s
+            while items and len(items) < self.batch_size:
+                if items[-1] is _STOP or isinstance(items[-1], threading.Event):
+                    break  # closing or flushing: no lingering
                 try:
                     items.append(self._q.get_nowait())
                 except queue.Empty:
-                    break
+                    wait = deadline - time.monotonic()
+                    if wait <= 0:
+                        break
+                    try:
+                        items.append(self._q.get(timeout=wait))
+                    except queue.Empty:
+                        break
             self.metrics.queue.set(self._q.qsize())
             ops: list[tuple[str, Any]] = []
             events: list[threading.Event] = []
