@@ -11,7 +11,7 @@ import click
 from cachepilot.cli.options import cost_option, policy_option, weights_option
 from cachepilot.core import cost as costs
 from cachepilot.core.cost import CostModel, Weights
-from cachepilot.core.fingerprint import BlockConfig, load_tokenizer
+from cachepilot.core.fingerprint import BlockConfig, load_tokenizer, load_vllm_tokenizer
 from cachepilot.core.router import Router, static_router
 from cachepilot.tooling.stack import PortInUseError, check_port_free
 
@@ -94,6 +94,14 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="Fit each worker's prefill and queue costs to measured TTFTs.")
 @click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
               help="As in envoy-config: Envoy streams responses through the gateway.")
+@click.option("--kv-events-port", type=click.IntRange(1, 65535), default=None,
+              help="vLLM workers publish KV-cache events on this port of their host (replay "
+                   "on the next): the directory follows them exactly (docs/vllm.md).")
+@click.option("--kv-events-topic", default="kv-events", show_default=True)
+@click.option("--vllm-hash-seed", default=None, metavar="PYTHONHASHSEED",
+              help="Hash token blocks as vLLM does (sha256_cbor seeded with the workers' "
+                   "PYTHONHASHSEED), so fingerprints are the engines' block hashes; needs "
+                   "--tokenizer.")
 @click.option("--replica-bus", default=None, metavar="nats://HOST:PORT",
               help="Share placements and in-flight requests with the other gateway replicas "
                    "over this NATS server.")
@@ -111,8 +119,10 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
                 capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
-                replica_id: str, replica_subject: str) -> None:
+                replica_id: str, replica_subject: str, kv_events_port: int | None,
+                kv_events_topic: str, vllm_hash_seed: str | None) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
+    from cachepilot.gateway.kv_events import port_endpoints
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
     from cachepilot.gateway.service import GatewayOptions
 
@@ -124,6 +134,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         host_port(addr, "--workers")
     if kubernetes and addrs:
         raise click.UsageError("--workers and --kubernetes exclude each other")
+    if vllm_hash_seed is not None and not tokenizer:
+        raise click.UsageError("--vllm-hash-seed needs --tokenizer (the workers' tokenizer.json)")
     listen_host, listen_port = host_port(listen, "--listen")
     try:  # on loopback we can tell now; elsewhere the bind itself fails (a spare's ports
         # belong to the gateway it stands in for)
@@ -134,13 +146,15 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     except PortInUseError as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        tok = load_tokenizer(tokenizer) if tokenizer else None
+        load = load_vllm_tokenizer if vllm_hash_seed is not None else load_tokenizer
+        tok = load(tokenizer) if tokenizer else None
     except Exception as exc:  # tokenizers raises its own exception types
         raise click.BadParameter(f"cannot load {tokenizer}: {exc}",
                                  param_hint="--tokenizer") from None
     router = Router(tokenizer=tok) if kubernetes else static_router(
         addrs, policy=policy, weights=parse_weights(weights), models=models,
-        block=BlockConfig(block_size, chars_per_token), capacity_blocks=capacity_blocks,
+        block=BlockConfig(block_size, chars_per_token, vllm_seed=vllm_hash_seed),
+        capacity_blocks=capacity_blocks,
         engine=engine, tokenizer=tok, cost=parse_cost(cost))
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
@@ -149,6 +163,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            decision_log=decision_log, calibrate=calibrate,
                            stall_after_s=stall_after, replica_bus=replica_bus,
                            replica_id=replica_id, replica_subject=replica_subject,
+                           kv_endpoints=None if kv_events_port is None else port_endpoints(
+                               kv_events_port, kv_events_port + 1, kv_events_topic),
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
                                                   observe_responses=observe_responses))

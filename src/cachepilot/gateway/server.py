@@ -24,6 +24,7 @@ from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.router import Router
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
+from cachepilot.gateway.kv_events import EndpointsFor, KVEventHub, follow_pools
 from cachepilot.gateway.replica_bus import ReplicaBus
 from cachepilot.gateway.scrape import Scraper
 from cachepilot.gateway.service import (
@@ -59,6 +60,9 @@ class GatewayConfig:
     replica_bus: str | None = None
     replica_id: str = ""  # this replica's name on the bus (default: host and pid)
     replica_subject: str = "cachepilot.sync"  # one per deployment sharing a NATS server
+    # vLLM KV-cache events (cachepilot.gateway.kv_events): where each worker publishes them
+    # (None: no subscriptions; the directory stays routing-learned).
+    kv_endpoints: EndpointsFor | None = None
 
 
 class Gateway:
@@ -86,6 +90,7 @@ class Gateway:
                                    options=options)
         self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
                                timeout_s=self.config.scrape_timeout_s)
+        self.kv_events = KVEventHub()
         self.health = health.aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -109,6 +114,9 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._watch_stalls()))
         if self.bus is not None:
             await self.bus.start()
+        if self.config.kv_endpoints is not None:
+            self._tasks.append(asyncio.create_task(
+                follow_pools(self.kv_events, self.router.pools, self.config.kv_endpoints)))
         self._runner = web.AppRunner(self._admin_app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.admin_host, self.config.admin_port)
@@ -141,6 +149,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.bus is not None:
             await self.bus.stop()
+        await self.kv_events.stop()
         await self.scraper.close()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -211,7 +220,9 @@ class Gateway:
                             "running": m.running if m else None,
                             "kv_usage": m.kv_usage if m else None,
                             "scraped_at": m.scraped_at if m else None,
-                            "scrape_error": w.scrape_error, "down": w.down})
+                            "scrape_error": w.scrape_error, "down": w.down,
+                            "directory_mode": pool.directory.mode(addr),
+                            "kv_events": self.kv_events.status().get(addr)})
         return web.json_response(out)
 
     async def _pools(self, _: web.Request) -> web.Response:
@@ -219,7 +230,8 @@ class Gateway:
             "name": p.name, "models": list(p.spec.models), "policy": p.policy.name,
             "weights": p.spec.weights.to_dict(), "block_size": p.spec.block.block_size,
             "decisions": p.seq, "directory": p.directory.stats(),
-            "distinct_blocks": p.directory.distinct_blocks()} for p in self.router.pools.values()])
+            "distinct_blocks": p.directory.distinct_blocks(), "modes": p.directory.modes()}
+            for p in self.router.pools.values()])
 
     async def _decision(self, request: web.Request) -> web.Response:
         if not self.config.decision_log or self.recorder is None:
