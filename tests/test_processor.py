@@ -222,3 +222,20 @@ def test_a_request_no_observing_stream_takes_over_is_released_later() -> None:
     # An observing stream for an unknown or finished decision observes nothing.
     assert p.observe(None, headers("/v1/chat/completions",
                                    **{DECISION_HEADER: ex.decision.id})) is None
+
+
+def test_a_buffered_body_is_routed_by_the_answer_to_the_body(proc) -> None:
+    raw = chat()
+    ex = Exchange(buffered=True)
+    [cont] = proc.handle(ex, headers("/v1/chat/completions", content_length=str(len(raw))))
+    assert cont.WhichOneof("response") == "request_headers"
+    assert not cont.request_headers.response.header_mutation.set_headers  # just go on
+    [out] = proc.handle(ex, body(raw, eos=True))
+    assert out.WhichOneof("response") == "request_body"
+    hdrs = {h.header.key: h.header.raw_value.decode()
+            for h in out.request_body.response.header_mutation.set_headers}
+    assert hdrs[DESTINATION_HEADER] == ex.decision.chosen
+    assert hdrs[DECISION_HEADER] == ex.decision.id
+    assert out.request_body.response.clear_route_cache
+    assert out.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        DESTINATION_HEADER].string_value.startswith(ex.decision.chosen)

@@ -2,12 +2,12 @@
 
 Requests pass the ext_proc filter (CachePilot picks a worker and writes its ``ip:port`` into
 ``x-gateway-destination-endpoint``), then the workers' cluster connects to that address. The
-request headers and body chunks go to the gateway at once (STREAMED), and the answer to the
-headers carries the destination, the fallback list and the decision id: one round trip. A
-second ext_proc filter in ``observability_mode`` shows the gateway the request's decision id
-and the response (status, first byte and token, cached tokens) without Envoy ever waiting
-for it. Bodies over ``max_body_bytes`` are refused by the route (content-length) or by
-Envoy's buffer limit (chunked), in the gateway's JSON error body.
+gateway answers the request headers at once; Envoy holds them, buffers the body and sends it
+whole (BUFFERED); the answer to the body carries the destination, the fallback list and the
+decision id. A second ext_proc filter in ``observability_mode`` shows the gateway the
+request's decision id and the response (status, first byte and token, cached tokens) without
+Envoy ever waiting for it. Bodies over ``max_body_bytes`` are refused by the route
+(content-length) or by Envoy's buffer limit (chunked), in the gateway's JSON error body.
 
 * workers known up front (the local stacks): a STATIC cluster with Envoy's override-host
   load balancer, which reads the gateway's ordered list (``envoy.lb`` metadata, as the Gateway
@@ -33,6 +33,8 @@ import yaml
 
 from cachepilot.core.request import INFERENCE_PATHS
 from cachepilot.gateway.service import (
+    BODY_METADATA,
+    BUFFERED_BODY,
     DECISION_HEADER,
     DESTINATION_HEADER,
     ERROR_HEADER,
@@ -62,6 +64,10 @@ class EnvoyOptions:
     fail_open: bool = False
     fallback_workers: tuple[str, ...] = ()  # host:port; required with fail_open
     observe_responses: bool = True  # stream response bodies to the gateway (TTFT, cached tokens)
+    # How the request body reaches the gateway: BUFFERED (the headers answered at once, the
+    # whole body in one message whose answer routes) or STREAMED (every chunk at once, the
+    # headers answered at the last one, then one answer per chunk).
+    request_body_mode: str = "BUFFERED"
     # Observe through a second ext_proc filter in observability mode: Envoy sends the response
     # to the gateway and never waits for it (off: the routing stream answers every response
     # message in turn, which the client waits for).
@@ -104,6 +110,8 @@ class EnvoyOptions:
         return int((self.body_timeout_s + 2.0) * 1000)
 
     def __post_init__(self) -> None:
+        if self.request_body_mode not in ("BUFFERED", "STREAMED"):
+            raise ValueError("request_body_mode is BUFFERED or STREAMED")
         if self.fail_open and not self.fallback_workers:
             raise ValueError("fail-open needs fallback workers (host:port) to send requests to")
         for hp in (*self.fallback_workers, *self.workers):
@@ -290,15 +298,18 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
     on, show it the response: asynchronously through the observing filter (``observe_async``),
     else on the routing stream, answered message by message (the client waits for each)."""
     sync_observe = o.observe_responses and not o.observe_async
+    routing: dict[str, Any] = {
+        "processing_mode": {
+            "request_header_mode": "SEND", "request_body_mode": o.request_body_mode,
+            "request_trailer_mode": "SKIP",
+            "response_header_mode": "SEND" if sync_observe else "SKIP",
+            "response_body_mode": "STREAMED" if sync_observe else "NONE",
+            "response_trailer_mode": "SKIP"}}
+    if o.request_body_mode == "BUFFERED":
+        routing["grpc_initial_metadata"] = [{"key": BODY_METADATA, "value": BUFFERED_BODY}]
     per_route: dict[str, Any] = {"envoy.filters.http.ext_proc": {
         "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-        "overrides": {
-            "processing_mode": {
-                "request_header_mode": "SEND", "request_body_mode": "STREAMED",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND" if sync_observe else "SKIP",
-                "response_body_mode": "STREAMED" if sync_observe else "NONE",
-                "response_trailer_mode": "SKIP"}}}}
+        "overrides": routing}}
     if o.observe_responses and o.observe_async:
         per_route[OBSERVE_FILTER] = {
             "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",

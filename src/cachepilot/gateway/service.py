@@ -9,10 +9,14 @@ For inference requests the answer waits for the body: Envoy streams it without w
 that answer (``send_body_without_waiting_for_header_response``), so routing costs one round
 trip. At the last body chunk: parse, route, and answer the headers with the destination
 header, the ordered fallback list (``envoy.lb`` metadata) and the decision id (then one empty
-answer per chunk), or answer with a JSON error (ImmediateResponse). (Skipping the headers
-message with a BUFFERED body does not work: Envoy then passes the headers on to the router
-before the body arrives, so the destination would come too late.) A routing stream that also
-carries the response (``observe_async`` off in Envoy's config) is understood too.
+answer per chunk), or answer with a JSON error (ImmediateResponse). With a BUFFERED body
+(metadata ``x-cachepilot-body: buffered``, the default bootstrap) the headers are answered at
+once, Envoy holds them and sends the whole body as one message, and that message's answer
+carries the routing: two messages each way whatever the body's size, where STREAMED answers
+one per chunk, each send a wake-up of the event loop. (Skipping the headers message does not
+work: Envoy then passes the headers on to the router before the body arrives, so the
+destination would come too late.) A routing stream that also carries the response
+(``observe_async`` off in Envoy's config) is understood too.
 
 Observing stream (``observability_mode``: Envoy sends and never waits, so observation costs
 the client nothing). The request headers carry the decision id the routing stream set; then
@@ -59,9 +63,13 @@ WORKER_HEADER = "x-cachepilot-worker"
 # Set by Envoy on its own replies that say why (e.g. worker_unreachable).
 ERROR_HEADER = "x-cachepilot-error"
 FALLBACKS = 2  # runner-ups after the chosen worker in the list Envoy's retries walk
-# gRPC metadata Envoy's per-route ext_proc config adds to an observing stream.
+# gRPC metadata Envoy's per-route ext_proc config adds to a stream: an observing stream's
+# role, and a routing stream whose body comes BUFFERED (one message, after the headers'
+# answer) rather than STREAMED.
 ROLE_METADATA = "x-cachepilot-role"
 OBSERVE_ROLE = "observe"
+BODY_METADATA = "x-cachepilot-body"
+BUFFERED_BODY = "buffered"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -109,6 +117,9 @@ def fallback_list(d: Decision) -> str:
     return ",".join([d.chosen, *(c.worker for c in rest[:FALLBACKS])])
 
 
+_CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+
+
 def _lb_metadata(destinations: str) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.update({LB_METADATA_NAMESPACE: {DESTINATION_HEADER: destinations}})
@@ -153,6 +164,7 @@ class Exchange:
     observed: bool = False  # an observing stream has taken this exchange over
     sees_response: bool = False  # the routing stream carries the response itself
     handed_over: float = 0.0  # when the routing stream ended, leaving it to the observer
+    buffered: bool = False  # the body comes whole, after the headers' (immediate) answer
 
 
 class Processor:
@@ -219,6 +231,8 @@ class Processor:
                 code="body_too_large"))]
         if msg.end_of_stream:
             return [self._error(RequestError(400, "request body is empty"))]
+        if ex.buffered:  # Envoy sends the body once the headers are answered
+            return [_CONTINUE_HEADERS]
         return []  # answered with the destination once the body is complete
 
     def _request_body(self, ex: Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
@@ -264,10 +278,14 @@ class Processor:
             self.live[decision.id] = ex
             self._release_unobserved(ex.started)
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
-        out = [ep.ProcessingResponse(
-            request_headers=ep.HeadersResponse(
-                response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
-            dynamic_metadata=_lb_metadata(fallback_list(decision)))]
+        common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        metadata = _lb_metadata(fallback_list(decision))
+        if ex.buffered:  # the headers wait for the body's answer, which carries the routing
+            ex.chunks = 0
+            return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
+                                          dynamic_metadata=metadata)]
+        out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
+                                     dynamic_metadata=metadata)]
         out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * ex.chunks
         ex.chunks = 0
         return out
@@ -456,14 +474,16 @@ class Processor:
                           cached_tokens=ex.cached_tokens, completed_at=self.clock())
 
 
-def _stream_role(context: grpc.aio.ServicerContext | None) -> str:
-    """The stream's role, from the metadata Envoy's per-route config adds (observing streams
-    only)."""
+def _stream_kind(context: grpc.aio.ServicerContext | None) -> tuple[str, bool]:
+    """(role, body buffered) from the metadata Envoy's per-route config adds to a stream."""
+    role, buffered = "", False
     if context is not None:
         for key, value in context.invocation_metadata() or ():
             if key == ROLE_METADATA:
-                return value
-    return ""
+                role = value
+            elif key == BODY_METADATA:
+                buffered = value == BUFFERED_BODY
+    return role, buffered
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
@@ -474,10 +494,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
-        if _stream_role(context) == OBSERVE_ROLE:
+        role, buffered = _stream_kind(context)
+        if role == OBSERVE_ROLE:
             await self._observe(request_iterator)
             return
-        ex = Exchange()
+        ex = Exchange(buffered=buffered)
         try:
             async for msg in request_iterator:
                 try:
