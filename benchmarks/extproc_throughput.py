@@ -2,7 +2,8 @@
 gRPC load driver shaped like Envoy, without Envoy in the way.
 
 Each request is what Envoy sends with the default bootstrap: a routing stream (request
-headers, then the body, waiting for the headers' answer: the latency measured) and, once
+headers, answered at once, then the whole body, whose answer routes: the latency measured,
+from the headers to that answer) and, once
 answered, an observing stream (request headers with the decision id, response headers, the
 response body with its usage), which Envoy never waits for. The workers are fake: one
 process answers every worker's ``/metrics`` with a fixed, idle vLLM exposition, so the
@@ -47,6 +48,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepilot.gateway.service import (
+    BODY_METADATA,
+    BUFFERED_BODY,
     DECISION_HEADER,
     OBSERVE_ROLE,
     ROLE_METADATA,
@@ -103,25 +106,30 @@ class Driver:
         self.pending: set[asyncio.Task[None]] = set()
 
     async def one(self, body: bytes) -> tuple[float, bool]:
-        """Route one request; returns (ms until the routing answer, ok)."""
+        """Route one request as Envoy does with the default bootstrap (BUFFERED body: the
+        headers answered at once, the body's answer routes); returns (ms until the routing
+        answer, ok)."""
         self.i += 1
         stub = self.stubs[self.i % len(self.stubs)]
-        msgs = [ep.ProcessingRequest(request_headers=hm({
-                    ":path": "/v1/completions", ":method": "POST", ":authority": "gw",
-                    "content-type": "application/json", "content-length": str(len(body))})),
-                ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))]
         t0 = time.perf_counter()
-        call = stub.Process()
-        for m in msgs:
-            await call.write(m)
-        first = await call.read()
+        call = stub.Process(metadata=((BODY_METADATA, BUFFERED_BODY),))
+        await call.write(ep.ProcessingRequest(request_headers=hm({
+            ":path": "/v1/completions", ":method": "POST", ":authority": "gw",
+            "content-type": "application/json", "content-length": str(len(body))})))
+        cont = await call.read()
+        ok = cont is not grpc.aio.EOF and cont.HasField("request_headers")
+        routed = None
+        if ok:
+            await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(
+                body=body, end_of_stream=True)))
+            routed = await call.read()
+            ok = routed is not grpc.aio.EOF and routed.HasField("request_body")
         ms = (time.perf_counter() - t0) * 1000
-        ok = first is not grpc.aio.EOF and first.HasField("request_headers")
         await call.done_writing()
-        while await call.read() is not grpc.aio.EOF:  # the body chunk's answer, then the end
+        while await call.read() is not grpc.aio.EOF:  # the end
             pass
         if ok and self.observe:
-            mut = first.request_headers.response.header_mutation.set_headers
+            mut = routed.request_body.response.header_mutation.set_headers  # type: ignore[union-attr]
             hdrs = {h.header.key: h.header.raw_value.decode() for h in mut}
             t = asyncio.create_task(self._observe(stub, hdrs))
             self.pending.add(t)

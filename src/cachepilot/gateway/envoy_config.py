@@ -95,8 +95,9 @@ class EnvoyOptions:
     workers: tuple[str, ...] = ()
     max_requests: int = 100_000  # circuit breakers: Envoy's default 1,024 caps load tests
     # Listener limits. A client has body_timeout_s to send its whole request (slowloris
-    # bodies end in 408); the gateway answers the headers only once it has the body, so the
-    # ext_proc message timeout covers the upload too and must outlast body_timeout_s.
+    # bodies end in 408). With a STREAMED body the gateway answers the headers only once it
+    # has the body, so the ext_proc message timeout covers the upload too and must outlast
+    # body_timeout_s (BUFFERED: the body goes to the gateway once it is all in).
     headers_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 10_000
