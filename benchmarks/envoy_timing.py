@@ -7,9 +7,9 @@ one request in flight sends ``--requests`` non-streamed requests per prompt size
 
 * client: end to end, as the client saw it;
 * envoy: Envoy's ``%DURATION%`` (first request byte in to last response byte out);
-* ext_proc headers: from Envoy sending the request headers to the gateway until its answer
-  (the body streams meanwhile; the answer comes once the body is in and routed): what routing
-  costs the request, as Envoy sees it;
+* ext_proc headers / body: from Envoy sending that message to the gateway until its answer
+  (default, BUFFERED: the headers answered at once, then the whole body, whose answer
+  routes): what the ext_proc round trips cost the request, as Envoy sees them;
 * routing CPU: the gateway's own ``cachepilot_decision_latency_seconds`` (parse, fingerprint,
   match, price, book), its mean over the run;
 * upstream: ``x-envoy-upstream-service-time`` (Envoy to the worker and back).
@@ -157,27 +157,32 @@ async def drive(port: int, size: int, n: int) -> np.ndarray:
 
 def show(console: Console, rows: list) -> None:
     table = Table(title="Where the time goes, closed loop, non-streamed (ms, p50 / p99)")
-    for col in ("prompt", "client e2e", "Envoy %DURATION%", "ext_proc headers→answer",
-                "routing CPU (mean)", "gRPC + wake-ups", "upstream", "body msgs"):
+    for col in ("prompt", "client e2e", "Envoy %DURATION%", "ext_proc headers",
+                "ext_proc body (routes)", "routing CPU (mean)", "gRPC + wake-ups (p50)",
+                "upstream", "body msgs"):
         table.add_column(col, justify="right")
 
     def col(log: list[dict], key: str, scale: float = 1.0) -> np.ndarray:
         return np.array([float(e[key]) * scale for e in log
                          if e.get(key) not in (None, "-", "")])
 
+    def pp(a: np.ndarray) -> str:
+        return f"{np.percentile(a, 50):.2f} / {np.percentile(a, 99):.2f}" if len(a) else "–"
+
     for kb, client, log, route_ms in rows:
-        ext = col(log, "request_header_latency_us", 1e-3)
-        dur = col(log, "duration_ms")
-        up = col(log, "upstream_ms")
+        hdr = col(log, "request_header_latency_us", 1e-3)
+        bod = col(log, "request_body_total_latency_us", 1e-3)
+        both = (np.percentile(hdr, 50) if len(hdr) else 0.0) + (
+            np.percentile(bod, 50) if len(bod) else 0.0)
         chunks = col(log, "request_body_call_count")
-
-        def pp(a: np.ndarray) -> str:
-            return f"{np.percentile(a, 50):.2f} / {np.percentile(a, 99):.2f}" if len(a) else "–"
-
-        table.add_row(f"{kb} KB", pp(client), pp(dur), pp(ext), f"{route_ms:.2f}",
-                      f"{np.percentile(ext, 50) - route_ms:.2f}" if len(ext) else "–",
-                      pp(up), f"{np.median(chunks):.0f}" if len(chunks) else "–")
+        table.add_row(f"{kb} KB", pp(client), pp(col(log, "duration_ms")), pp(hdr), pp(bod),
+                      f"{route_ms:.2f}", f"{both - route_ms:.2f}", pp(col(log, "upstream_ms")),
+                      f"{np.median(chunks):.0f}" if len(chunks) else "–")
     console.print(table)
+    console.print("ext_proc headers / body: from Envoy sending that message to the gateway's "
+                  "answer (BUFFERED: the headers are answered at once, the body's answer "
+                  "routes; STREAMED: the headers' answer comes once the body is in, and each "
+                  "chunk is answered after it). gRPC + wake-ups: both, less the routing CPU.")
 
 
 if __name__ == "__main__":
