@@ -293,9 +293,11 @@ class PrefixDirectory:
             return
         events, bit = wb.events, wb.bit
         for h in hashes:
-            wb.pending.pop(h, None)
+            was_pending = wb.pending.pop(h, None) is not None
             if h in events:
                 events.discard(h)
+                self._clear_event(h, bit)
+            elif was_pending:  # routed, never announced, now evicted: not held either way
                 self._clear_event(h, bit)
             if wb.slots is None and h in wb.lru:
                 del wb.lru[h]
