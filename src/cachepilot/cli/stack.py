@@ -36,12 +36,9 @@ from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, ch
 @click.option("--replicas", type=click.IntRange(1), default=1, show_default=True,
               help="Gateway replicas behind Envoy (sim); more than one share placements and "
                    "in-flight requests over a local NATS server.")
-@click.option("--prompt-tokens", type=click.IntRange(16), default=None,
-              help="Typical prompt length in tokens, to size the directory to what a "
-                   "llama.cpp slot keeps (llamacpp; default: prompts fill the slot's context).")
 def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
            speed: float, fail_open: bool, first_byte_timeout: float, max_restarts: int,
-           decision_log: str | None, replicas: int, prompt_tokens: int | None) -> None:
+           decision_log: str | None, replicas: int) -> None:
     """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM). A component that
     exits is restarted with backoff; one that keeps dying stops the stack (exit 1)."""
     try:
@@ -52,7 +49,7 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     restart = RestartPolicy(max_restarts=max_restarts)
     if engine == "llamacpp":
-        _up_llamacpp(workers or 2, port, policy, prompt_tokens, restart)
+        _up_llamacpp(workers or 2, port, policy, restart)
         return
     stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
                                    weights=weights, speed=speed, fail_open=fail_open,
@@ -74,16 +71,15 @@ def _say(line: str) -> None:
     click.echo(f"cachepilot up: {line}", err=True)
 
 
-def _up_llamacpp(workers: int, port: int, policy: str, prompt_tokens: int | None,
-                 restart: RestartPolicy) -> None:
-    """``--engine llamacpp``: llama-server workers (Gemma 3 270M). ``prompt_tokens``: typical
-    prompt length, for the directory's capacity (see ``directory_capacity_blocks``)."""
+def _up_llamacpp(workers: int, port: int, policy: str, restart: RestartPolicy) -> None:
+    """``--engine llamacpp``: llama-server workers (Gemma 3 270M); the gateway reads each
+    one's slots and context from its ``/props`` to size the directory."""
     from cachepilot.tooling.llamacpp import MODEL_NAME, LlamaStack, installed
 
     why = installed()
     if why:
         raise click.ClickException(why)
-    stack = LlamaStack(workers=workers, policy=policy, port=port, prompt_tokens=prompt_tokens)
+    stack = LlamaStack(workers=workers, policy=policy, port=port)
     _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
         f"CachePilot is up: {stack.url}/v1  (model {MODEL_NAME} on llama.cpp, "
         f"{workers} workers: {', '.join(stack.worker_addresses)})",

@@ -46,7 +46,6 @@ class LlamaStack(LoopbackAddresses):
     # GET /props: slots and context per slot, one prompt chain per slot). An explicit
     # capacity only applies until that first scrape.
     capacity_blocks: int | None = None
-    prompt_tokens: int | None = None  # unused: kept for `cachepilot up --prompt-tokens`
     log_dir: str | None = None
     peer: RouterSpec | None = None
     # Envoy's per-try wait for a worker's first byte. A CPU worker with a queue can take
