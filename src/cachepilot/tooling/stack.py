@@ -158,7 +158,12 @@ class LocalStack(LoopbackAddresses):
                             workers=tuple(self.worker_addresses),
                             first_byte_timeout_s=c.first_byte_timeout_s,
                             observe_responses=c.observe_responses,
-                            max_body_bytes=c.max_body_bytes, **c.envoy)
+                            max_body_bytes=c.max_body_bytes,
+                            # Several replicas behind this one Envoy: the observing ext_proc
+                            # stream is balanced on its own and may reach a replica that did not
+                            # route the request, so the routing stream carries the response.
+                            # (In the chart each pod's Envoy has its own gateway.)
+                            **(({"observe_async": False} if c.replicas > 1 else {}) | c.envoy))
         cfg_path = self.log_dir / "envoy.yaml"
         cfg_path.write_text(render(opts))
         self.processes.spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
