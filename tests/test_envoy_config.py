@@ -53,8 +53,9 @@ def test_shape_of_the_bootstrap() -> None:
     # never waits for.
     assert mode["request_body_mode"] == "BUFFERED" and mode["response_body_mode"] == "NONE"
     routing = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
-    assert routing["grpc_initial_metadata"] == [{"key": "x-cachepilot-body",
-                                                 "value": "buffered"}]
+    assert routing["grpc_initial_metadata"] == [
+        {"key": "x-cachepilot-observe", "value": "async"},
+        {"key": "x-cachepilot-body", "value": "buffered"}]
     observe = chat["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
     assert observe["processing_mode"]["response_body_mode"] == "STREAMED"
     assert observe["processing_mode"]["request_header_mode"] == "SEND"  # the decision id

@@ -239,3 +239,20 @@ def test_a_buffered_body_is_routed_by_the_answer_to_the_body(proc) -> None:
     assert out.request_body.response.clear_route_cache
     assert out.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
         DESTINATION_HEADER].string_value.startswith(ex.decision.chosen)
+
+
+def test_envoys_config_on_the_stream_says_who_releases_the_request(proc) -> None:
+    # Envoy answered on the routing stream ("sync", e.g. several replicas behind one Envoy):
+    # the routing stream's end releases a request that got no answer, at once.
+    raw = chat()
+    ex = Exchange(observe="sync")
+    proc.handle(ex, headers("/v1/chat/completions", content_length=str(len(raw))))
+    proc.handle(ex, body(raw))
+    proc.stream_ended(ex)
+    assert ex.done and proc.sink.outcomes[ex.decision.id]["aborted"]
+    # "async": the observing stream will.
+    ex2 = Exchange(observe="async")
+    proc.handle(ex2, headers("/v1/chat/completions", content_length=str(len(raw))))
+    proc.handle(ex2, body(raw))
+    proc.stream_ended(ex2)
+    assert not ex2.done and ex2.decision.id in proc.unobserved

@@ -39,6 +39,7 @@ from cachepilot.gateway.service import (
     DESTINATION_HEADER,
     ERROR_HEADER,
     LB_METADATA_NAMESPACE,
+    OBSERVE_METADATA,
     OBSERVE_ROLE,
     ROLE_METADATA,
     WORKER_HEADER,
@@ -306,8 +307,11 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
             "response_header_mode": "SEND" if sync_observe else "SKIP",
             "response_body_mode": "STREAMED" if sync_observe else "NONE",
             "response_trailer_mode": "SKIP"}}
+    # The gateway learns from the stream how Envoy sends it the body and the response.
+    observe = ("off" if not o.observe_responses else "sync" if sync_observe else "async")
+    routing["grpc_initial_metadata"] = [{"key": OBSERVE_METADATA, "value": observe}]
     if o.request_body_mode == "BUFFERED":
-        routing["grpc_initial_metadata"] = [{"key": BODY_METADATA, "value": BUFFERED_BODY}]
+        routing["grpc_initial_metadata"].append({"key": BODY_METADATA, "value": BUFFERED_BODY})
     per_route: dict[str, Any] = {"envoy.filters.http.ext_proc": {
         "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
         "overrides": routing}}

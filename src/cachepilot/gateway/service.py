@@ -70,6 +70,9 @@ ROLE_METADATA = "x-cachepilot-role"
 OBSERVE_ROLE = "observe"
 BODY_METADATA = "x-cachepilot-body"
 BUFFERED_BODY = "buffered"
+# How the routing stream's request will be observed, as Envoy's config says: "async" (an
+# observing stream takes it over), "sync" (the routing stream carries the response), "off".
+OBSERVE_METADATA = "x-cachepilot-observe"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -95,6 +98,8 @@ class GatewayOptions:
     observe_responses: bool = True
     # Must match Envoy's config too: responses come on a second, observing stream, which
     # releases the request (off: on the routing stream, which releases it when it ends).
+    # Envoy's generated config says which on every routing stream (x-cachepilot-observe),
+    # and that wins over this default.
     observe_async: bool = True
     # A routed request whose observing stream has not started after this long never gets one
     # (Envoy configured without it, or the stream failed): released as aborted. With Envoy's
@@ -165,6 +170,7 @@ class Exchange:
     sees_response: bool = False  # the routing stream carries the response itself
     handed_over: float = 0.0  # when the routing stream ended, leaving it to the observer
     buffered: bool = False  # the body comes whole, after the headers' (immediate) answer
+    observe: str = ""  # as Envoy's config says on the stream ("async", "sync", "off"), or ""
 
 
 class Processor:
@@ -274,7 +280,8 @@ class Processor:
         self.sink.decision(decision, pool,
                            prompt=req.prompt if self.options.capture_prompts else None)
         self.awaiting.setdefault(decision.chosen, {})[decision.id] = ex.started
-        if self.options.observe_responses and self.options.observe_async:
+        if ex.observe == "async" or (not ex.observe and self.options.observe_responses
+                                     and self.options.observe_async):
             self.live[decision.id] = ex
             self._release_unobserved(ex.started)
         mutation = _headers({DESTINATION_HEADER: decision.chosen, DECISION_HEADER: decision.id})
@@ -474,16 +481,19 @@ class Processor:
                           cached_tokens=ex.cached_tokens, completed_at=self.clock())
 
 
-def _stream_kind(context: grpc.aio.ServicerContext | None) -> tuple[str, bool]:
-    """(role, body buffered) from the metadata Envoy's per-route config adds to a stream."""
-    role, buffered = "", False
+def _stream_kind(context: grpc.aio.ServicerContext | None) -> tuple[str, bool, str]:
+    """(role, body buffered, observation) from the metadata Envoy's per-route config adds to
+    a stream."""
+    role, buffered, observe = "", False, ""
     if context is not None:
         for key, value in context.invocation_metadata() or ():
             if key == ROLE_METADATA:
                 role = value
             elif key == BODY_METADATA:
                 buffered = value == BUFFERED_BODY
-    return role, buffered
+            elif key == OBSERVE_METADATA:
+                observe = value
+    return role, buffered, observe
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
@@ -494,11 +504,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
-        role, buffered = _stream_kind(context)
+        role, buffered, observe = _stream_kind(context)
         if role == OBSERVE_ROLE:
             await self._observe(request_iterator)
             return
-        ex = Exchange(buffered=buffered)
+        ex = Exchange(buffered=buffered, observe=observe)
         try:
             async for msg in request_iterator:
                 try:
