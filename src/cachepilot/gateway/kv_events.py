@@ -168,7 +168,9 @@ class KVEventHub:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, tick: float = 0.1,
                  **stream_options: Any) -> None:
-        self._ctx = zmq.asyncio.Context()
+        # Created at the first subscription: a gateway without KV events holds no ZMQ context
+        # (an unterminated one can block the interpreter in its finalizer).
+        self._ctx: zmq.asyncio.Context | None = None
         self._clock = clock
         self._tick = tick
         self._stream_options = stream_options
@@ -230,11 +232,15 @@ class KVEventHub:
             if sub.task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await sub.task
-        self._ctx.destroy(linger=0)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
         self._closed = True
 
     # -- the loop ---------------------------------------------------------------------------
     def _socket(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
         s = self._ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
