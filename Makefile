@@ -48,6 +48,9 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/decision_latency.py
 	$(BIN)/python benchmarks/extproc_parse.py
 	$(BIN)/python benchmarks/added_latency.py
+	$(BIN)/python benchmarks/envoy_timing.py
+	$(BIN)/python benchmarks/extproc_throughput.py
+	$(BIN)/python benchmarks/fault_drills.py
 
 experiment: $(VENV)/.installed
 	$(BIN)/cachepilot experiment seed-claims --out runs/seed-claims
