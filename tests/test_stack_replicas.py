@@ -51,7 +51,17 @@ def test_a_prefix_lands_on_one_worker_whichever_replica_routes_it_even_across_a_
         stack.stop()
 
 
+def connected(stack: LocalStack, timeout_s: float = 20.0) -> None:
+    """Until every replica is on the bus and has caught up (a replica routes alone before)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(s["connected"] for s in replicas_status(stack)):
+        assert time.monotonic() < deadline, "replicas did not connect to the bus"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the catch-up window (0.5 s) before publishing starts
+
+
 def _drill(stack: LocalStack) -> None:
+    connected(stack)
     with httpx.Client(timeout=30) as client:
         assert len(set(workers_for(stack, client, "alpha", 10))) == 1
         status = replicas_status(stack)
