@@ -58,7 +58,7 @@ from rich.table import Table
 
 from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
 from cachepilot.gateway.service import BODY_METADATA, BUFFERED_BODY, DESTINATION_HEADER
-from cachepilot.tooling.procs import http_get
+from cachepilot.tooling.procs import wait_http_ok
 from cachepilot.tooling.stack import envoy_binary, free_port
 
 MODEL = "sim-llama-8b"
@@ -219,21 +219,6 @@ class Stack:
                 p.kill()
 
 
-def wait_ok(urls: list[str], timeout_s: float = 60.0) -> None:
-    deadline = time.time() + timeout_s
-    pending = list(urls)
-    while pending:
-        try:
-            if http_get(pending[0], timeout=0.5)[0] == 200:
-                pending.pop(0)
-                continue
-        except OSError:
-            pass
-        if time.time() > deadline:
-            raise TimeoutError(f"not ready: {pending[0]}")
-        time.sleep(0.2)
-
-
 def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
           ) -> tuple[dict[str, int], list[str]]:
     """Start every path; returns name → HTTP port, and the URLs that say it is ready."""
@@ -379,7 +364,7 @@ def main() -> None:
     results: dict[str, Any] = {"command": " ".join(sys.argv), "cells": []}
     try:
         ports, ready = build(stack, worker, paths, variants)
-        wait_ok([f"http://{worker}/metrics", *ready])
+        wait_http_ok([f"http://{worker}/metrics", *ready])
         time.sleep(1.5)  # a scrape or two
 
         async def drive() -> None:

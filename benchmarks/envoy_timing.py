@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
-from cachepilot.tooling.procs import http_get
+from cachepilot.tooling.procs import http_get, wait_http_ok
 from cachepilot.tooling.stack import envoy_binary, free_port
 
 FIELDS = ("request_header_latency_us", "request_body_call_count",
@@ -79,16 +79,7 @@ def main() -> None:
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
     logs = {}
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if http_get(f"http://127.0.0.1:{aport}/readyz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"gateway not ready; logs in {tmp}")
-            time.sleep(0.2)
+        wait_http_ok([f"http://127.0.0.1:{aport}/readyz"], hint=f"; logs in {tmp}")
         rows = []
         for kb in (int(s) for s in args.sizes.split(",")):
             log = tmp / f"access-{kb}.log"

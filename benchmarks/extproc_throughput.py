@@ -55,7 +55,7 @@ from cachepilot.gateway.service import (
     ROLE_METADATA,
     WORKER_HEADER,
 )
-from cachepilot.tooling.procs import http_get
+from cachepilot.tooling.procs import wait_http_ok
 from cachepilot.tooling.stack import free_port
 
 METRICS = """# TYPE vllm:num_requests_waiting gauge
@@ -280,16 +280,8 @@ def main() -> None:
                 gports.append(gport)
                 wait_port(gport)
                 if not args.noop:
-                    deadline = time.time() + 60
-                    while True:
-                        try:
-                            if http_get(f"http://127.0.0.1:{aport}/readyz")[0] == 200:
-                                break
-                        except OSError:
-                            pass
-                        if time.time() > deadline:
-                            raise TimeoutError(f"gateway not ready; logs in {tmp}")
-                        time.sleep(0.2)
+                    wait_http_ok([f"http://127.0.0.1:{aport}/readyz"],
+                                 hint=f"; logs in {tmp}")
             procs += gprocs
             time.sleep(1.0)
             for tokens in (int(t) for t in args.tokens.split(",")):

@@ -30,6 +30,17 @@ def http_status(url: str, timeout: float = 1.0) -> int:
         return 0
 
 
+def wait_http_ok(urls: list[str], timeout_s: float = 60.0, hint: str = "") -> None:
+    """Until every URL answers 200, in order; TimeoutError naming the first that did not
+    (``hint``, e.g. where the logs are, is appended)."""
+    deadline = time.time() + timeout_s
+    for url in urls:
+        while http_status(url, timeout=0.5) != 200:
+            if time.time() > deadline:
+                raise TimeoutError(f"not ready: {url}{hint}")
+            time.sleep(0.2)
+
+
 def gateway_scraped_all(admin_url: str) -> bool:
     """True once the gateway has scraped every worker at least once: before that it routes
     without load figures, which makes a first burst of requests land unevenly."""
