@@ -11,6 +11,7 @@ runs with no setting.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -64,15 +65,24 @@ def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
     return {"workload": name, "seed": seed, "runs": runs}
 
 
-def run_all(seeds: int, trace: Path | None, processes: int | None = None,
-            progress: Progress | None = None) -> dict[str, Any]:
+def run_seeded(task: Callable[[tuple[str, int, str]], dict[str, Any]], seeds: int,
+               trace: Path | None, processes: int | None,
+               progress: Progress | None) -> tuple[list[dict[str, Any]], float]:
+    """``task`` on every (workload, seed) of :func:`workloads`, on a process pool: the
+    results and the wall time."""
     names = list(workloads(trace))
     # The trace's tasks are the longest: first, so both processes stay busy to the end.
     tasks = [(n, s, str(trace or "")) for n in sorted(names, key=lambda n: n != "mooncake")
              for s in range(seeds)]
     t0 = time.perf_counter()
-    results = run_tasks(run_task, tasks, processes, progress, lambda t: f"{t[0]} seed {t[1]}")
-    return {"results": results, "seeds": seeds, "wall_s": time.perf_counter() - t0,
+    results = run_tasks(task, tasks, processes, progress, lambda t: f"{t[0]} seed {t[1]}")
+    return results, time.perf_counter() - t0
+
+
+def run_all(seeds: int, trace: Path | None, processes: int | None = None,
+            progress: Progress | None = None) -> dict[str, Any]:
+    results, wall_s = run_seeded(run_task, seeds, trace, processes, progress)
+    return {"results": results, "seeds": seeds, "wall_s": wall_s,
             "workloads": {n: {"spec": s.to_dict(), "workers": c.workers,
                               "kv_tokens": c.engine.num_blocks * c.engine.block_size}
                           for n, (s, c) in workloads(trace).items()}}

@@ -11,7 +11,6 @@ paired by seed: hit rate in points, p90 TTFT in %.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ import numpy as np
 import orjson
 
 from cachepilot.sim.measures import summarize
-from cachepilot.sim.parallel import Progress, run_tasks
-from cachepilot.sim.peers_study import METRICS, workloads
+from cachepilot.sim.parallel import Progress
+from cachepilot.sim.peers_study import METRICS, run_seeded, workloads
 from cachepilot.sim.plots import plt
 from cachepilot.sim.simulator import Simulator
 from cachepilot.sim.stats import ci95, paired
@@ -52,13 +51,9 @@ def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
 
 def run_all(seeds: int, trace: Path | None, processes: int | None = None,
             progress: Progress | None = None) -> dict[str, Any]:
-    names = list(workloads(trace))
-    tasks = [(n, s, str(trace or "")) for n in sorted(names, key=lambda n: n != "mooncake")
-             for s in range(seeds)]
-    t0 = time.perf_counter()
-    results = run_tasks(run_task, tasks, processes, progress, lambda t: f"{t[0]} seed {t[1]}")
-    return {"results": results, "seeds": seeds, "wall_s": time.perf_counter() - t0,
-            "workloads": names}
+    results, wall_s = run_seeded(run_task, seeds, trace, processes, progress)
+    return {"results": results, "seeds": seeds, "wall_s": wall_s,
+            "workloads": list(workloads(trace))}
 
 
 def analyse(data: dict[str, Any]) -> dict[str, Any]:
