@@ -25,7 +25,7 @@ from cachepilot.sim.experiments import STUDY_COST, WORKERS
 from cachepilot.sim.experiments import WORKLOADS as CLAIM_WORKLOADS
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.parallel import Progress, run_tasks
-from cachepilot.sim.plots import plt
+from cachepilot.sim.plots import paired_differences, plt
 from cachepilot.sim.simulator import SimConfig, Simulator
 from cachepilot.sim.stats import ci95, paired
 from cachepilot.sim.workloads import WorkloadSpec, generate
@@ -159,17 +159,7 @@ def _label(metric: str) -> str:
 
 
 def _paired_panel(ax: Any, st: dict[str, Any]) -> None:
-    vs = st["vs"]
-    peers = list(vs)
-    for j, k in enumerate(METRICS):
-        m = np.array([vs[p][k]["rel"] for p in peers]) * 100
-        lo = np.array([vs[p][k]["rel_lo"] for p in peers]) * 100
-        hi = np.array([vs[p][k]["rel_hi"] for p in peers]) * 100
-        ax.errorbar(m, np.arange(len(peers)) + (j - 1) * 0.25, xerr=[m - lo, hi - m], fmt="o",
-                    ms=4, capsize=3, label=_label(k))
-    ax.axvline(0, color="k", lw=0.8)
-    ax.set_yticks(np.arange(len(peers)), peers, fontsize=8)
-    ax.set_xlabel(f"{DEFAULT} − peer, % of peer (95% CI)")
+    paired_differences(ax, st["vs"], METRICS, f"{DEFAULT} − peer, % of peer (95% CI)")
     ax.grid(alpha=0.3)
 
 

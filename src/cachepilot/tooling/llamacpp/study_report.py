@@ -146,10 +146,7 @@ def report(data: dict[str, Any], stats: dict[str, Any], command: str, plot_name:
 def plot(data: dict[str, Any], stats: dict[str, Any], path: Path) -> None:
     """A row per workload: TTFT by router (bars: means; dots: seeds), CachePilot's paired
     TTFT differences (% of the other router, 95 % CI), hit rate by router."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from cachepilot.sim.plots import paired_differences, plt  # matplotlib, Agg backend
 
     names = [n for n in stats if n != ALL]
     fig, axes = plt.subplots(len(names), 3, figsize=(15, 4.2 * len(names)), squeeze=False)
@@ -169,17 +166,8 @@ def plot(data: dict[str, Any], stats: dict[str, Any], path: Path) -> None:
         row[0].set_ylabel("TTFT (ms)")
         row[0].set_title(f"{name}: TTFT by router")
         row[0].legend(fontsize=8)
-        vs = st["vs"]
-        others = list(vs)
-        for j, k in enumerate(TTFT):
-            m = np.array([vs[o][k]["rel"] for o in others]) * 100
-            lo = np.array([vs[o][k]["rel_lo"] for o in others]) * 100
-            hi = np.array([vs[o][k]["rel_hi"] for o in others]) * 100
-            row[1].errorbar(m, np.arange(len(others)) + (j - 1) * 0.25,
-                            xerr=[m - lo, hi - m], fmt="o", ms=4, capsize=3, label=k[5:8])
-        row[1].axvline(0, color="k", lw=0.8)
-        row[1].set_yticks(np.arange(len(others)), others, fontsize=8)
-        row[1].set_xlabel("CachePilot − router, % of router (95 % CI)")
+        paired_differences(row[1], st["vs"], TTFT,
+                           "CachePilot − router, % of router (95 % CI)")
         row[1].set_title(f"{name}: paired TTFT differences")
         row[1].legend(fontsize=8)
         row[2].bar(x, [st["table"][r]["token_hit_rate"]["mean"] for r in routers], alpha=0.7)
