@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import aiohttp
@@ -17,12 +16,7 @@ from cachepilot.core.router import static_router
 from cachepilot.gateway.kv_events import port_endpoints
 from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cachepilot.tooling.stack import free_port
 
 
 async def test_the_gateway_attaches_to_each_workers_events_and_reports_the_mode() -> None:

@@ -6,7 +6,6 @@ to one worker must show up there and in the pool's status."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -25,15 +24,10 @@ from test_operator_kmock import (
 
 from cachepilot.operator.runner import default_login
 from cachepilot.tooling.sim_worker import WorkerConfig, make_app
+from cachepilot.tooling.stack import free_port
 
 pytestmark = pytest.mark.timeout(60)
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

