@@ -210,6 +210,7 @@ class Gateway:
 
     async def _workers(self, _: web.Request) -> web.Response:
         out = []
+        events = self.kv_events.status()
         for pool in self.router.pools.values():
             for addr, w in pool.workers.items():
                 m = w.metrics
@@ -222,7 +223,7 @@ class Gateway:
                             "scraped_at": m.scraped_at if m else None,
                             "scrape_error": w.scrape_error, "down": w.down,
                             "directory_mode": pool.directory.mode(addr),
-                            "kv_events": self.kv_events.status().get(addr)})
+                            "kv_events": events.get(addr)})
         return web.json_response(out)
 
     async def _pools(self, _: web.Request) -> web.Response:
