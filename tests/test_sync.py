@@ -57,6 +57,19 @@ def test_a_peer_placement_is_a_hit_and_its_booking_is_load_until_it_ends() -> No
     assert sb.remote_bookings() == 0
 
 
+def test_a_peer_placement_counts_as_an_arrival_for_congestion_pricing() -> None:
+    # Congestion is priced on the pool's arrival rate: N replicas that each counted only
+    # their own arrivals would each see a burst at 1/N of its rate.
+    a, b, sa, sb = pair()
+    for i in range(8):
+        a.route(req(f"q{i}"), 100.0)
+    for e in sa.drain():
+        sb.apply(e, b, 100.0)
+    rate_a = a.pools["default"].arrival_rate(100.0)
+    assert rate_a > 0
+    assert b.pools["default"].arrival_rate(100.0) == pytest.approx(rate_a)
+
+
 def test_own_events_duplicates_and_unknown_workers_change_nothing() -> None:
     a, b, sa, sb = pair()
     d = a.route(req(), 100.0)

@@ -161,6 +161,9 @@ class ReplicaSync(Plugin):
             if pool is None or w is None or key in self._remote:
                 return
             pool.directory.insert(e.worker, e.hashes)
+            # The pool's arrival rate prices congestion: it must count every replica's
+            # arrivals, or each of N replicas sees a burst at 1/N of its rate.
+            pool.note_arrival(now, e.uncached_tokens)
             w.inflight += 1
             w.pending_requests += 1
             w.pending_prefill_tokens += e.uncached_tokens
