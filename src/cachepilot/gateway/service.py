@@ -370,7 +370,7 @@ class Processor:
                                  clear_route_cache=True)
 
     def _error(self, err: RequestError) -> ep.ProcessingResponse:
-        self.metrics.errors.labels(str(err.status)).inc()
+        self.metrics.request_error(err.status)
         return immediate(err)
 
     def _why_no_worker(self, err: RoutingError) -> RoutingError:
@@ -468,13 +468,9 @@ class Processor:
         self.router.release(d, outcome)
         if not self.options.observe_responses:
             return
-        pool = d.pool
-        if ex.stream and ttft_s is not None and not aborted:  # only real first tokens
-            self.metrics.ttft_error.labels(pool).observe(
-                abs(ttft_s * 1000.0 - d.winner.predicted_ttft_ms))
-        if ex.cached_tokens is not None:
-            self.metrics.hit_outcomes.labels(pool, str(d.predicted_hit).lower(),
-                                             str(ex.cached_tokens > 0).lower()).inc()
+        # Only a streamed response that was not aborted has a real first token.
+        self.metrics.outcome(d, status=ex.status, cached_tokens=ex.cached_tokens,
+                             first_token_s=ttft_s if ex.stream and not aborted else None)
         self.sink.outcome(d.id, status=outcome.status, aborted=aborted, ttft_ms=outcome.ttft_ms,
                           ttft_kind=outcome.ttft_kind, first_byte_ms=None if ex.first_byte_s is None
                           else ex.first_byte_s * 1000.0,
