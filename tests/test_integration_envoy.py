@@ -71,7 +71,8 @@ def test_gateway_metrics_are_exposed(stack: LocalStack) -> None:
     httpx.post(f"{stack.url}/v1/completions", timeout=30, json={"model": MODEL})  # a 400
     text = httpx.get(f"{stack.admin_url}/metrics", timeout=10).text
     for name in ("cachepilot_decisions_total{", "cachepilot_decision_latency_seconds_bucket{",
-                 "cachepilot_worker_inflight{", "cachepilot_worker_kv_usage{",
+                 "cachepilot_worker_requests_in_flight{",
+                 "cachepilot_worker_kv_cache_usage_ratio{",
                  "cachepilot_request_errors_total{"):
         assert name in text, name
 

@@ -204,7 +204,7 @@ class Gateway:
                             status=200 if ready else 503)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        self.metrics.refresh_workers(self.router)
+        self.metrics.refresh_workers(self.router, self.kv_events.status())
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
