@@ -3,8 +3,10 @@ routing-learned one, on the same requests (``python -m cachepilot.tooling.vllm.s
 
 Two vLLM workers with a small KV cache (``--num-gpu-blocks-override``: prefixes evict each
 other within a minute), requests that share system prompts (a few popular, most rare), sent
-two at a time straight to the worker a policy picks: ``round_robin`` or ``affinity`` (the
-longest exact-directory match, ties to the less busy worker). Before each request both
+two at a time straight to the worker a policy picks: ``round_robin``, or ``cachepilot``:
+CachePilot's directory in this process (``core.directory.PrefixDirectory`` fed by the
+gateway's ``KVEventHub``), the longest exact-directory match, ties to the less busy worker
+(not the whole gateway: no Envoy, no cost model). Before each request both
 directories predict how many of its tokens the chosen worker has cached (the exact one from
 the engine's events, the approximate one from where requests were sent, LRU at the engine's
 capacity); the response's ``usage.prompt_tokens_details.cached_tokens`` is the truth.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -30,11 +33,12 @@ import httpx
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
 from cachepilot.gateway.kv_events import Endpoints, KVEventHub
+from cachepilot.records.stats import imbalance
 from cachepilot.sim.workloads import WORDS
 from cachepilot.tooling.vllm.model import prepare
 from cachepilot.tooling.vllm.worker import VllmWorkers, VllmWorkerSpec
 
-POLICIES = ("round_robin", "affinity")
+POLICIES = ("round_robin", "cachepilot")
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ async def _phase(cfg: StudyConfig, policy: str, seed: int, ws: VllmWorkers,
             ids = tok(prompt)
             hashes = vllm_block_hashes(ids, bs, none_hash)
             m_exact = exact.match(hashes, addrs)
-            if policy == "affinity":
+            if policy == "cachepilot":
                 best = max(m_exact.values())
                 tied = [a for a in addrs if m_exact[a] == best]
                 chosen = min(tied, key=lambda a: (inflight[a], (addrs.index(a) - rr[0])
@@ -164,6 +168,27 @@ def _q(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def phase_record(samples: list[Sample], seed: int, policy: str, wall_s: float,
+                 load: tuple[float, float]) -> dict[str, Any]:
+    """One (seed, policy) phase in the shape the real-worker report reads
+    (:func:`cachepilot.tooling.llamacpp.study_report.analyse`: workload, seed, router and
+    the TTFT / hit-rate / imbalance figures), plus hit prediction by both directories."""
+    lat = [s.latency_s for s in samples]
+    per_worker: dict[str, int] = {}
+    for s in samples:
+        per_worker[s.worker] = per_worker.get(s.worker, 0) + s.prompt_tokens
+    return {"workload": "vllm", "seed": seed, "router": policy,
+            "requests": len(samples), "errors": 0,
+            "ttft_p50_s": statistics.median(lat), "ttft_p90_s": _q(lat, 0.9),
+            "ttft_p99_s": _q(lat, 0.99), "ttft_mean_s": statistics.fmean(lat),
+            "token_hit_rate": sum(s.measured for s in samples)
+            / sum(s.prompt_tokens for s in samples),
+            "imbalance": imbalance(per_worker.values()),
+            "events": score(samples, "exact"), "approximate": score(samples, "approx"),
+            "wall_s": round(wall_s, 1), "loadavg_1m": [round(x, 2) for x in load],
+            "modes": sorted({s.mode for s in samples})}
+
+
 def summarise(samples: list[Sample]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for policy in sorted({s.policy for s in samples}):
@@ -181,7 +206,11 @@ def summarise(samples: list[Sample]) -> dict[str, Any]:
     return out
 
 
-async def run(cfg: StudyConfig, venv: Path, out_dir: Path) -> dict[str, Any]:
+async def run(cfg: StudyConfig, venv: Path, log_dir: Path,
+              progress: Any = print) -> dict[str, Any]:
+    """Every (seed, policy) phase on two fresh-cache workers; the phases' records, every
+    request's sample (no prompt text) and the subscribers' counters. Worker logs go to
+    ``log_dir``."""
     model = prepare(venv)
     spec = VllmWorkerSpec(max_model_len=cfg.max_model_len,
                           extra_args=("--num-gpu-blocks-override", str(cfg.num_blocks)),
@@ -189,55 +218,76 @@ async def run(cfg: StudyConfig, venv: Path, out_dir: Path) -> dict[str, Any]:
                           extra_env=(("VLLM_SERVER_DEV_MODE", "1"),))
     tok = load_vllm_tokenizer(str(model / "tokenizer.json"))
     none_hash = vllm_none_hash(spec.hash_seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ws = VllmWorkers(venv, model, spec, state_dir=out_dir / "workers")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ws = VllmWorkers(venv, model, spec, state_dir=log_dir)
     # A cold prefill takes 10-30 s on this shared 2-core CPU with two workers (seen: 29.5 s
     # under load): routed blocks stay pending for 30-60 s.
     hub = KVEventHub(heartbeat_every=1.0, replay_timeout=2.0, stale_after=30.0,
                      pending_every=30.0)
     exact = PrefixDirectory(cfg.num_blocks)
     samples: list[Sample] = []
+    phases: list[dict[str, Any]] = []
+    t_start, load_start = time.monotonic(), os.getloadavg()
     try:
         ws.start(cfg.workers, base_port=8300, base_events_port=5757)
-        print(f"[study] workers ready in {await asyncio.to_thread(ws.wait_ready, 600):.0f} s",
-              flush=True)
+        progress(f"[study] workers ready in {await asyncio.to_thread(ws.wait_ready, 600):.0f} s")
         for w in ws.workers:
             exact.add_worker(w.address, cfg.num_blocks)
             hub.attach(w.address, Endpoints(w.events_endpoint, w.replay_endpoint, "kv-events"),
                        exact)
+        t0 = time.monotonic()
+        while any(hub.mode(w.address) != "exact" for w in ws.workers):
+            if time.monotonic() - t0 > 30:
+                raise RuntimeError(f"KV events not exact after 30 s: {hub.status()}")
+            await asyncio.sleep(0.1)
         for seed in cfg.seeds:
-            for i, policy in enumerate(cfg.policies):
+            for i in range(len(cfg.policies)):
                 policy = cfg.policies[(i + seed) % len(cfg.policies)]  # order rotated per seed
-                t0 = time.monotonic()
+                t0, load0 = time.monotonic(), os.getloadavg()[0]
                 got = await _phase(cfg, policy, seed, ws, exact, tok, none_hash, hub)
                 samples += got
-                s = summarise(got)[policy]
-                print(f"[study] seed {seed} {policy}: {len(got)} requests in "
-                      f"{time.monotonic() - t0:.0f} s; events P/R "
-                      f"{s['events']['precision']:.3f}/{s['events']['recall']:.3f}, approximate "
-                      f"{s['approximate']['precision']:.3f}/{s['approximate']['recall']:.3f}; "
-                      f"TTFT p50 {s['ttft_p50_s']:.2f} s", flush=True)
+                ph = phase_record(got, seed, policy, time.monotonic() - t0,
+                                  (load0, os.getloadavg()[0]))
+                phases.append(ph)
+                progress(f"[study] seed {seed} {policy}: {len(got)} requests in "
+                         f"{ph['wall_s']:.0f} s; events P/R {ph['events']['precision']:.3f}/"
+                         f"{ph['events']['recall']:.3f}, approximate "
+                         f"{ph['approximate']['precision']:.3f}/"
+                         f"{ph['approximate']['recall']:.3f}; TTFT p50 {ph['ttft_p50_s']:.2f} s"
+                         f" p90 {ph['ttft_p90_s']:.2f} s; load {ph['loadavg_1m']}")
     finally:
         status = hub.status()
         await hub.stop()
         await asyncio.to_thread(ws.stop)
-    result = {"config": asdict(cfg), "summary": summarise(samples), "subscribers": status,
-              "samples": [asdict(s) for s in samples]}
-    (out_dir / "vllm-study.json").write_text(json.dumps(result, indent=1))
-    return result
+    return {"config": {**asdict(cfg), "routers": list(cfg.policies), "block_size":
+                       spec.block_size, "hash_seed": spec.hash_seed},
+            "workloads": {"vllm": {"kind": "shared system prompts (Zipf)",
+                                   "groups": cfg.groups, "concurrency": cfg.concurrency}},
+            "phases": phases, "summary": summarise(samples), "subscribers": status,
+            "samples": [asdict(s) for s in samples],
+            "wall_s": round(time.monotonic() - t_start, 1),
+            "loadavg_start": [round(x, 2) for x in load_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cachepilot.tooling.vllm.report import write_outputs
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", type=Path, default=Path(".venv-vllm"))
-    ap.add_argument("--out", type=Path, default=Path("runs/vllm-study"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/vllm"))
+    ap.add_argument("--logs", type=Path, default=Path("runs/vllm-study"))
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--requests", type=int, default=StudyConfig.requests)
     args = ap.parse_args(argv)
     cfg = StudyConfig(seeds=tuple(int(s) for s in args.seeds.split(",")),
                       requests=args.requests)
-    result = asyncio.run(run(cfg, args.venv, args.out))
-    print(json.dumps(result["summary"], indent=1))
+    data = asyncio.run(run(cfg, args.venv, args.logs))
+    (args.logs / "vllm-study.json").write_text(json.dumps(data, indent=1))  # before the report
+    command = (f"python -m cachepilot.tooling.vllm.study --seeds {args.seeds} "
+               f"--requests {args.requests} --out {args.out}")
+    write_outputs(data, args.out, command)
+    print(json.dumps(data["summary"], indent=1))
     return 0
 
 

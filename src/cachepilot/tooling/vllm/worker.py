@@ -42,13 +42,21 @@ class VllmWorkerSpec:
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
 
-    def args(self, venv: Path, model: Path, port: int, events_port: int) -> list[str]:
-        # vLLM's PUB binds a wildcard endpoint and *connects* to any other: hence "*".
+    def args(self, venv: Path, model: Path, port: int, events_port: int,
+             host: str = "127.0.0.1") -> list[str]:
+        """``vllm serve`` on ``host:port``, KV events published on ``host:events_port`` and
+        replayed on ``host:events_port + 1``.
+
+        vLLM's publisher binds an endpoint with ``*`` or ``::`` in it and *connects* to any
+        other, so the PUB endpoint is the IPv4-mapped form ``tcp://[::ffff:HOST]:P``: it binds
+        ``HOST`` only (not every interface, as ``tcp://*:P`` would), and workers on distinct
+        loopback addresses (127.0.0.2, 127.0.0.3, …) can all publish on the same port, which
+        is what the gateway's ``--kv-events-port`` expects (every worker on its own host)."""
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{events_port}",
-                  "replay_endpoint": f"tcp://*:{events_port + 1}", "topic": "kv-events"}
+                  "endpoint": f"tcp://[::ffff:{host}]:{events_port}",
+                  "replay_endpoint": f"tcp://{host}:{events_port + 1}", "topic": "kv-events"}
         return [str(venv.absolute() / "bin" / "vllm"), "serve", str(model),
-                "--host", "127.0.0.1", "--port", str(port),
+                "--host", host, "--port", str(port),
                 "--served-model-name", self.served_name,
                 "--max-model-len", str(self.max_model_len), "--dtype", "bfloat16",
                 "--block-size", str(self.block_size),
@@ -57,17 +65,28 @@ class VllmWorkerSpec:
                 *(["--enforce-eager"] if self.enforce_eager else []),
                 "--kv-events-config", json.dumps(events), *self.extra_args]
 
-    def env(self, index: int, state_dir: Path, tmp: Path) -> dict[str, str]:
-        """``tmp`` holds vLLM's IPC sockets: a short path (a socket path has 107 bytes)."""
+    def env_vars(self, index: int, state_dir: Path, tmp: Path) -> dict[str, str]:
+        """What a worker's environment adds to ours. ``tmp`` holds vLLM's IPC sockets: a
+        short path (a socket path has 107 bytes)."""
         cache = state_dir / f"worker-{index}"
         cache.mkdir(parents=True, exist_ok=True)
         cores = os.cpu_count() or 1
-        return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+        return {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
                 "PYTHONHASHSEED": self.hash_seed, "VLLM_CACHE_ROOT": str(cache),
                 "TMPDIR": str(tmp), "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", **dict(self.extra_env)}
+
+    def env(self, index: int, state_dir: Path, tmp: Path) -> dict[str, str]:
+        return {**os.environ, **self.env_vars(index, state_dir, tmp)}
+
+    def command(self, venv: Path, model: Path, index: int, host: str, port: int,
+                events_port: int, state_dir: Path, tmp: Path) -> list[str]:
+        """One command line with the environment in front (``env K=V … vllm serve …``), for
+        a supervisor that starts commands, not environments (``tooling.procs``)."""
+        return ["env", *(f"{k}={v}" for k, v in self.env_vars(index, state_dir, tmp).items()),
+                *self.args(venv, model, port, events_port, host)]
 
 
 @dataclass
@@ -78,18 +97,19 @@ class VllmWorker:
     proc: subprocess.Popen[bytes]
     log_path: Path
     tmp: Path
+    host: str = "127.0.0.1"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def events_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.events_port}"
+        return f"tcp://{self.host}:{self.events_port}"
 
     @property
     def replay_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.events_port + 1}"
+        return f"tcp://{self.host}:{self.events_port + 1}"
 
 
 @dataclass
@@ -102,18 +122,24 @@ class VllmWorkers:
     state_dir: Path = Path("runs/vllm")
     workers: list[VllmWorker] = field(default_factory=list)
 
-    def start(self, n: int, base_port: int = 8100, base_events_port: int = 5557) -> None:
+    def start(self, n: int, base_port: int = 8100, base_events_port: int = 5557,
+              hosts: list[str] | None = None) -> None:
+        """Worker i on ``base_port + i`` with events on ``base_events_port + 2i`` (all on
+        127.0.0.1), or, with ``hosts``, on ``hosts[i]`` with the same ports for all."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         for i in range(n):
-            port, events_port = base_port + i, base_events_port + 2 * i
+            host = hosts[i] if hosts else "127.0.0.1"
+            port, events_port = ((base_port, base_events_port) if hosts else
+                                 (base_port + i, base_events_port + 2 * i))
             log_path = self.state_dir / f"worker-{i}.log"
             tmp = Path(tempfile.mkdtemp(prefix=f"cpvllm{i}-"))
             with log_path.open("wb") as log:
-                proc = subprocess.Popen(self.spec.args(self.venv, self.model, port, events_port),
+                proc = subprocess.Popen(self.spec.args(self.venv, self.model, port, events_port,
+                                                       host),
                                         env=self.spec.env(i, self.state_dir.absolute(), tmp),
                                         stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-            self.workers.append(VllmWorker(i, port, events_port, proc, log_path, tmp))
+            self.workers.append(VllmWorker(i, port, events_port, proc, log_path, tmp, host))
 
     def wait_ready(self, timeout_s: float = 300.0) -> float:
         """Seconds until every worker answers /health; raises with its log's tail if one
