@@ -9,6 +9,7 @@ from cachepilot.core import InferenceRequest
 from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.sync import (
     Finished,
+    InFlight,
     Placed,
     Prefilled,
     ReplicaSync,
@@ -70,6 +71,24 @@ def test_a_peer_placement_counts_as_an_arrival_for_congestion_pricing() -> None:
     assert b.pools["default"].arrival_rate(100.0) == pytest.approx(rate_a)
 
 
+def test_a_heartbeat_ends_bookings_whose_end_was_lost_and_a_silent_replica_is_dropped() -> None:
+    a, b, sa, sb = pair()
+    d1, d2 = a.route(req("q1"), 100.0), a.route(req("q2"), 100.0)
+    for e in sa.drain():
+        sb.apply(e, b, 100.0)
+    assert sb.remote_bookings() == 2
+    a.release(d1, Outcome(status=200))
+    sa.drain()  # d1's Finished is lost
+    sa.heartbeat()
+    (beat,) = sa.drain()
+    assert isinstance(beat, InFlight) and beat.ids == (d2.id,)
+    sb.apply(beat, b, 101.0)
+    assert sb.remote_bookings() == 1
+    assert sb.expire(b, 101.0 + sb.silent_after_s - 0.1) == 0
+    assert sb.expire(b, 101.0 + sb.silent_after_s) == 1  # a fell silent: d2 is dropped too
+    assert all(w.inflight == 0 for w in b.pools["default"].workers.values())
+
+
 def test_own_events_duplicates_and_unknown_workers_change_nothing() -> None:
     a, b, sa, sb = pair()
     d = a.route(req(), 100.0)
@@ -97,10 +116,11 @@ def test_lost_ends_expire_after_the_ttl() -> None:
 
 def test_events_survive_a_round_trip_and_garbage_is_refused() -> None:
     events = [Placed("a", "1", "default", WORKERS[0], (1, 2**64 - 1), 7),
-              Prefilled("a", "1"), Finished("a", "1")]
+              Prefilled("a", "1"), Finished("a", "1"), InFlight("a", ("1", "2"))]
     assert [event_from_dict(event_to_dict(e)) for e in events] == events
     for bad in ({}, {"kind": "placed", "replica": "a"}, {"kind": "nope", "replica": "a",
-                                                         "id": "1"}):
+                                                         "id": "1"},
+                {"kind": "inflight", "replica": "a", "ids": "12"}):
         with pytest.raises(ValueError, match="not a sync event"):
             event_from_dict(bad)
 

@@ -10,8 +10,11 @@ events (:class:`Placed`, :class:`Prefilled`, :class:`Finished`) in an outbox, an
 other replicas' events to its pools: their placements enter the directory, their bookings
 count in flight and as pending prefill, exactly like its own, until their first token or
 finish. Transport is the adapter's business (a message bus, the simulator's event queue); it
-may lose or delay events, so every remote booking expires after ``booking_ttl_s`` (bounded
-staleness) and the scrape stays the truth for queues. Nothing here waits for a peer: a slow or
+may lose or delay events, so every remote booking expires after ``booking_ttl_s``, and each
+replica's periodic :class:`InFlight` heartbeat (the ids it still has in flight) ends the
+bookings whose end was lost within one heartbeat; a replica that falls silent has its
+bookings dropped after ``silent_after_s`` (bounded staleness). The scrape stays the truth for
+queues. Nothing here waits for a peer: a slow or
 absent bus only means less shared knowledge.
 """
 
@@ -61,8 +64,19 @@ class Finished:
     kind: str = "finished"
 
 
-SyncEvent = Placed | Prefilled | Finished
-_KINDS: dict[str, type] = {"placed": Placed, "prefilled": Prefilled, "finished": Finished}
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """Every request ``replica`` still has in flight, as of this point in its stream: the
+    others end any booking of its that is not listed (its Finished was lost)."""
+
+    replica: str
+    ids: tuple[str, ...]
+    kind: str = "inflight"
+
+
+SyncEvent = Placed | Prefilled | Finished | InFlight
+_KINDS: dict[str, type] = {"placed": Placed, "prefilled": Prefilled, "finished": Finished,
+                           "inflight": InFlight}
 
 
 def event_to_dict(e: SyncEvent) -> dict[str, Any]:
@@ -70,6 +84,8 @@ def event_to_dict(e: SyncEvent) -> dict[str, Any]:
         return {"kind": e.kind, "replica": e.replica, "id": e.id, "pool": e.pool,
                 "worker": e.worker, "hashes": list(e.hashes),
                 "uncached_tokens": e.uncached_tokens}
+    if isinstance(e, InFlight):
+        return {"kind": e.kind, "replica": e.replica, "ids": list(e.ids)}
     return {"kind": e.kind, "replica": e.replica, "id": e.id}
 
 
@@ -80,6 +96,10 @@ def event_from_dict(d: dict[str, Any]) -> SyncEvent:
         if cls is Placed:
             return Placed(str(d["replica"]), str(d["id"]), str(d["pool"]), str(d["worker"]),
                           tuple(int(h) for h in d["hashes"]), int(d["uncached_tokens"]))
+        if cls is InFlight:
+            if not isinstance(d["ids"], list):
+                raise TypeError("ids is not a list")
+            return InFlight(str(d["replica"]), tuple(str(i) for i in d["ids"]))
         return cls(str(d["replica"]), str(d["id"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a sync event: {exc!r}") from None
@@ -101,6 +121,9 @@ class ReplicaSync(Plugin):
 
     replica: str
     booking_ttl_s: float = 30.0
+    # A replica whose heartbeats stopped this long ago is gone (or cut off from us): its
+    # bookings are dropped. Only for replicas that sent a heartbeat at all.
+    silent_after_s: float = 5.0
     outbox: list[SyncEvent] = field(default_factory=list)
     max_outbox: int = 10_000  # a bus that is down must not grow memory without bound
     applied: int = 0
@@ -110,6 +133,7 @@ class ReplicaSync(Plugin):
     _remote: dict[tuple[str, str], _Booking] = field(default_factory=dict)
     _recent: deque[Placed] = field(default_factory=deque)
     _open: set[str] = field(default_factory=set)  # own requests not finished yet
+    _heard: dict[str, float] = field(default_factory=dict)  # replica → its last heartbeat
 
     # -- this replica's lifecycle -------------------------------------------------------------
     def _emit(self, e: SyncEvent) -> None:
@@ -145,6 +169,11 @@ class ReplicaSync(Plugin):
                 out.append(Finished(self.replica, e.id))
         return out
 
+    def heartbeat(self) -> None:
+        """Put this replica's in-flight ids in the outbox (the adapter calls it every
+        second or so, and on reconnecting)."""
+        self._emit(InFlight(self.replica, tuple(self._open)))
+
     def drain(self) -> list[SyncEvent]:
         out, self.outbox = self.outbox, []
         return out
@@ -153,6 +182,10 @@ class ReplicaSync(Plugin):
     def apply(self, e: SyncEvent, router: Router, now: float) -> None:
         """Apply another replica's event (this replica's own are ignored)."""
         if e.replica == self.replica:
+            return
+        if isinstance(e, InFlight):
+            self._reconcile(e, router, now)
+            self.applied += 1
             return
         key = (e.replica, e.id)
         if isinstance(e, Placed):
@@ -178,9 +211,19 @@ class ReplicaSync(Plugin):
                 self._release(key, router)
         self.applied += 1
 
+    def _reconcile(self, e: InFlight, router: Router, now: float) -> None:
+        self._heard[e.replica] = now
+        live = set(e.ids)
+        for k in [k for k in self._remote if k[0] == e.replica and k[1] not in live]:
+            self._end_prefill(self._remote[k], router)
+            self._release(k, router)
+            self.expired += 1
+
     def expire(self, router: Router, now: float) -> int:
-        """Drop remote bookings older than their TTL (their end was lost); how many."""
-        old = [k for k, b in self._remote.items() if b.expires <= now]
+        """Drop remote bookings older than their TTL (their end was lost), and those of
+        replicas silent for ``silent_after_s``; how many."""
+        silent = {r for r, t in self._heard.items() if now - t >= self.silent_after_s}
+        old = [k for k, b in self._remote.items() if b.expires <= now or k[0] in silent]
         for k in old:
             self._end_prefill(self._remote[k], router)
             self._release(k, router)

