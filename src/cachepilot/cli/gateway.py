@@ -74,6 +74,10 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="With --kubernetes: the namespace whose pools and pods to watch.")
 @click.option("--lease-name", default="cachepilot-gateway", show_default=True,
               help="With --kubernetes: the Lease that picks the replica writing status.")
+@click.option("--epp-service", default=None, metavar="SERVICE",
+              help="With --kubernetes: also watch InferencePools (the CRD must be installed); "
+                   "those whose endpointPickerRef names this Service become pools "
+                   "(docs/gateway-api.md).")
 @click.option("--model", "models", multiple=True, help="Models this pool serves (default: any).")
 @click.option("--engine", default="vllm", show_default=True,
               type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
@@ -94,6 +98,11 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="Fit each worker's prefill and queue costs to measured TTFTs.")
 @click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
               help="As in envoy-config: Envoy streams responses through the gateway.")
+@click.option("--protocol", type=click.Choice(["auto", "cachepilot", "epp"]), default="auto",
+              show_default=True,
+              help="ext_proc protocol: our Envoy config's, the Gateway API Inference "
+                   "Extension's endpoint picker protocol (any gateway; docs/epp.md), or auto: "
+                   "streams with x-cachepilot-* gRPC metadata are ours, the others EPP.")
 @click.option("--kv-events-port", type=click.IntRange(1, 65535), default=None,
               help="vLLM workers publish KV-cache events on this port of their host (replay "
                    "on the next): the directory follows them exactly (docs/vllm.md).")
@@ -113,14 +122,14 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
-                models: tuple[str, ...], engine: str, scrape_interval: float,
-                scrape_timeout: float, max_body_bytes: int, stall_after: float,
-                standby: bool, decision_log: str | None,
+                epp_service: str | None, models: tuple[str, ...], engine: str,
+                scrape_interval: float, scrape_timeout: float, max_body_bytes: int,
+                stall_after: float, standby: bool, decision_log: str | None,
                 capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
                 capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
-                kv_events_topic: str, vllm_hash_seed: str | None) -> None:
+                kv_events_topic: str, vllm_hash_seed: str | None, protocol: str) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.gateway.kv_events import port_endpoints
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
@@ -134,6 +143,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         host_port(addr, "--workers")
     if kubernetes and addrs:
         raise click.UsageError("--workers and --kubernetes exclude each other")
+    if epp_service is not None and not kubernetes:
+        raise click.UsageError("--epp-service needs --kubernetes")
     if vllm_hash_seed is not None and not tokenizer:
         raise click.UsageError("--vllm-hash-seed needs --tokenizer (the workers' tokenizer.json)")
     listen_host, listen_port = host_port(listen, "--listen")
@@ -156,6 +167,13 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         block=BlockConfig(block_size, chars_per_token, vllm_seed=vllm_hash_seed),
         capacity_blocks=capacity_blocks,
         engine=engine, tokenizer=tok, cost=parse_cost(cost))
+    kv_endpoints = None if kv_events_port is None else port_endpoints(
+        kv_events_port, kv_events_port + 1, kv_events_topic)
+    kv_sources = None
+    if kubernetes:  # each pool's spec.kvEvents and its pods say; the flag is the fallback
+        from cachepilot.operator import KVEventSources
+
+        kv_endpoints = kv_sources = KVEventSources(fallback=kv_endpoints)
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
                            scrape_timeout_s=scrape_timeout,
@@ -163,11 +181,11 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            decision_log=decision_log, calibrate=calibrate,
                            stall_after_s=stall_after, replica_bus=replica_bus,
                            replica_id=replica_id, replica_subject=replica_subject,
-                           kv_endpoints=None if kv_events_port is None else port_endpoints(
-                               kv_events_port, kv_events_port + 1, kv_events_topic),
+                           kv_endpoints=kv_endpoints,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
-                                                  observe_responses=observe_responses))
+                                                  observe_responses=observe_responses,
+                                                  protocol=protocol))
 
     def ready(gw: Gateway) -> None:
         click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "
@@ -182,7 +200,9 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
             from cachepilot.operator import OperatorOptions, run_operator
 
             gateway.add_task(run_operator(router, namespace=namespace, stop_flag=asyncio.Event(),
-                                          options=OperatorOptions(lease_name=lease_name)))
+                                          options=OperatorOptions(lease_name=lease_name,
+                                                                  epp_service=epp_service),
+                                          kv_events=kv_sources))
         await serve(gateway, ready)
 
     asyncio.run(main())

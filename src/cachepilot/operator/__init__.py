@@ -5,6 +5,7 @@ own live view; a Lease decides which one writes status and Events. See docs/kube
 """
 
 from cachepilot.operator.controller import Controller, OperatorOptions
+from cachepilot.operator.kv_sources import KVEventSources
 from cachepilot.operator.runner import default_login, run_operator
 
-__all__ = ["Controller", "OperatorOptions", "default_login", "run_operator"]
+__all__ = ["Controller", "KVEventSources", "OperatorOptions", "default_login", "run_operator"]

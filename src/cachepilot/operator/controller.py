@@ -26,6 +26,7 @@ from cachepilot.core import Router
 from cachepilot.operator import resync as relist
 from cachepilot.operator.events import EventPoster
 from cachepilot.operator.kube import KubeClient
+from cachepilot.operator.kv_sources import KVEventSources
 from cachepilot.operator.options import OperatorOptions
 from cachepilot.operator.reconcile import Reconciler
 from cachepilot.operator.scraping import PoolScraper, ScrapeFn
@@ -33,8 +34,8 @@ from cachepilot.operator.spec import PodView
 from cachepilot.operator.state import Member, PoolState, rfc3339
 from cachepilot.operator.status import PROBLEM_REASONS, STATUS_WORKERS_MAX, StatusWriter
 
-__all__ = ["PROBLEM_REASONS", "STATUS_WORKERS_MAX", "Controller", "Member", "OperatorOptions",
-           "PoolState", "ScrapeFn", "rfc3339"]
+__all__ = ["PROBLEM_REASONS", "STATUS_WORKERS_MAX", "Controller", "KVEventSources", "Member",
+           "OperatorOptions", "PoolState", "ScrapeFn", "rfc3339"]
 
 
 class Controller:
@@ -44,7 +45,8 @@ class Controller:
                  session: aiohttp.ClientSession, client: KubeClient | None,
                  identity: str, options: OperatorOptions,
                  clock: Callable[[], float] = time.time,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 kv_events: KVEventSources | None = None) -> None:
         self.router = router
         self.namespace = namespace
         self.client = client
@@ -60,7 +62,11 @@ class Controller:
                                   hold_until_elected=options.elect_leader)
         self.scraper = PoolScraper(scrape, session, clock)
         self.reconciler = Reconciler(router, namespace=namespace, events=self.events,
-                                     scraper=self.scraper, clock=clock)
+                                     scraper=self.scraper, clock=clock,
+                                     epp_service=options.epp_service)
+        # The gateway's KV-event hub asks this where each worker publishes (kv_sources.py).
+        self.kv_events = kv_events or KVEventSources()
+        self.kv_events.bind(self.reconciler.pools)
         self.status = StatusWriter(client, namespace=namespace, identity=identity,
                                    options=options, pools=self.reconciler.pools,
                                    events=self.events, leading=leading, clock=clock, wall=wall)
@@ -87,6 +93,10 @@ class Controller:
 
     async def on_pod_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         await self.reconciler.on_pod_event(event_type, body)
+
+    async def on_inference_pool_event(self, event_type: str | None,
+                                      body: Mapping[str, Any]) -> None:
+        await self.reconciler.on_inference_pool_event(event_type, body)
 
     async def resync(self) -> None:
         """List pools and pods and forget what the watches missed being deleted."""

@@ -29,6 +29,7 @@ DEFAULT_SCRAPE_PATH = "/metrics"
 DEFAULT_SCRAPE_INTERVAL_S = 1.0
 DEFAULT_SCRAPE_TIMEOUT_S = 0.5
 DEFAULT_ENGINE = "vllm"
+DEFAULT_KV_TOPIC = "kv-events"  # vLLM's --kv-events-config "topic" in our samples
 
 # CostModel field → CRD name (camelCase, units in the name). stale_after_s lives in scrape.
 COST_FIELDS: dict[str, str] = {
@@ -84,7 +85,9 @@ def spec_schema() -> dict[str, Any]:
     cost_props["kvThreshold"]["maximum"] = 1
     return {
         "type": "object",
-        "required": ["selector"],
+        "description": "Workers come from `selector` (and `port`) or from an InferencePool "
+                       "(`inferencePoolRef`): exactly one of the two.",
+        "oneOf": [{"required": ["selector"]}, {"required": ["inferencePoolRef"]}],
         "properties": {
             "models": {
                 "type": "array",
@@ -95,6 +98,15 @@ def spec_schema() -> dict[str, Any]:
                 "default": list(pool.models),
             },
             "selector": _label_selector(),
+            "inferencePoolRef": {
+                "type": "object",
+                "description": "Take the workers (selector and targetPorts) from this "
+                               "InferencePool (inference.networking.k8s.io/v1) in the pool's "
+                               "namespace; this pool adds its own models, scrape and routing "
+                               "settings. Excludes selector and port.",
+                "required": ["name"],
+                "properties": {"name": {"type": "string", "minLength": 1}},
+            },
             "port": _int_or_string(
                 "The workers' serving port: a number or a container port name. Omitted: the "
                 "pod's only declared container port."),
@@ -140,6 +152,11 @@ def spec_schema() -> dict[str, Any]:
                                   "default": block.block_size},
                     "charsPerToken": {"type": "number", "minimum": 0.1,
                                       "default": block.chars_per_token},
+                    "vllmHashSeed": {
+                        "type": "string", "minLength": 1,
+                        "description": "The workers' PYTHONHASHSEED: hash token blocks as "
+                                       "vLLM does (sha256_cbor), so KV events name the same "
+                                       "blocks (needs the gateway's --tokenizer)."},
                     "cost": {
                         "type": "object",
                         "description": "Cost-model parameters, milliseconds of time to "
@@ -147,6 +164,26 @@ def spec_schema() -> dict[str, Any]:
                         "default": {},
                         "properties": cost_props,
                     },
+                },
+            },
+            "kvEvents": {
+                "type": "object",
+                "description": "Where each worker publishes vLLM's KV-cache events "
+                               "(--kv-events-config, ZMQ PUB): the gateway subscribes as pods "
+                               "come and go and keeps the directory exact. Give port or "
+                               "portAnnotation.",
+                "properties": {
+                    "port": _int_or_string("The publisher's port on every worker pod "
+                                           "(number or container port name)."),
+                    "portAnnotation": {
+                        "type": "string", "minLength": 1,
+                        "description": "Read the port from this pod annotation instead "
+                                       "(pods without it are followed approximately)."},
+                    "replayPort": _int_or_string("The publisher's replay_endpoint port; "
+                                                 "default: the events port + 1."),
+                    "replay": {"type": "boolean", "default": True,
+                               "description": "Fill gaps from the replay endpoint."},
+                    "topic": {"type": "string", "default": DEFAULT_KV_TOPIC},
                 },
             },
             "capacityBlocks": {

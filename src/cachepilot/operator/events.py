@@ -56,7 +56,7 @@ class EventPoster:
         stamp = rfc3339(now)
         event = {
             "apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{ps.name}.{uuid.uuid4().hex[:16]}",
+            "metadata": {"name": f"{ps.body_ref['name']}.{uuid.uuid4().hex[:16]}",
                          "namespace": self.namespace},
             "involvedObject": dict(ps.body_ref),
             "type": type_, "reason": reason, "message": message[:1024],

@@ -29,3 +29,7 @@ class OperatorOptions:
     resync_period_s: float = 60.0
     # The watcher (kopf) is restarted with these delays if it dies (e.g. API down too long).
     restart_backoffs: tuple[float, ...] = (1, 2, 5, 10, 30)
+    # Watch InferencePools (inference.networking.k8s.io/v1; the CRD must be installed): each
+    # whose endpointPickerRef names this Service becomes a pool, and CachePilotPools may
+    # reference any of them (spec.inferencePoolRef). None: InferencePools are not watched.
+    epp_service: str | None = None

@@ -18,12 +18,15 @@ from typing import Any
 
 from cachepilot.core import Pool, Router
 from cachepilot.operator import crd
+from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.events import EventPoster
 from cachepilot.operator.scraping import PoolScraper
 from cachepilot.operator.spec import (
     InvalidSpec,
     PodView,
+    PoolConfig,
     host_port,
+    kv_event_endpoints,
     parse_pool,
     pod_view,
     resolve_port,
@@ -32,19 +35,32 @@ from cachepilot.operator.state import Member, PoolState, log
 
 
 class Reconciler:
-    """Keeps the router's pools, and each pool's workers, in step with the watched objects."""
+    """Keeps the router's pools, and each pool's workers, in step with the watched objects.
+
+    ``epp_service``: the Service name an InferencePool's ``endpointPickerRef`` must give for
+    the InferencePool to become a pool here (``None``: InferencePools make no pools of their
+    own; CachePilotPools can still reference them).
+    """
 
     def __init__(self, router: Router, *, namespace: str, events: EventPoster,
-                 scraper: PoolScraper, clock: Callable[[], float]) -> None:
+                 scraper: PoolScraper, clock: Callable[[], float],
+                 epp_service: str | None = None) -> None:
         self.router = router
         self.namespace = namespace
         self.events = events
         self.scraper = scraper
         self.clock = clock
+        self.epp_service = epp_service
         self.pods: dict[str, PodView] = {}
-        self.pools: dict[str, PoolState] = {}
+        self.pools: dict[str, PoolState] = {}  # router pool name → state
+        # Every InferencePool seen (ours or not: a CachePilotPool may reference any), parsed;
+        # an invalid one as its error.
+        self.inference_pools: dict[str, ip.InferencePoolView | InvalidSpec] = {}
+        self.inference_pool_uids: dict[str, str] = {}
         # (kind, name) → when a watch event last touched it: resync must not undo fresher news.
         self.seen_at: dict[tuple[str, str], float] = {}
+
+    # ---- CachePilotPools -----------------------------------------------------------------
 
     async def on_pool_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body.get("metadata") or {}
@@ -54,6 +70,7 @@ class Reconciler:
         if event_type == "DELETED":
             if ps is not None and (not uid or not ps.uid or ps.uid == uid):
                 self.drop_pool(ps)
+                self._place_inference_pools()
             return
         if ps is not None and uid and ps.uid and ps.uid != uid:  # recreated under our feet
             self.drop_pool(ps)
@@ -64,8 +81,18 @@ class Reconciler:
                 body_ref={"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": name,
                           "namespace": self.namespace, "uid": uid})
         ps.generation = int(meta.get("generation") or 0)
+        ps.body = body
+        self._parse_and_apply(ps)
+        self._place_inference_pools()
+
+    def _parse_and_apply(self, ps: PoolState) -> None:
+        """(Re)build CachePilotPool ``ps`` from its last body and, if it references one, the
+        InferencePool as known now."""
+        name = ps.name
         try:
-            config = parse_pool(name, body)
+            config = parse_pool(name, ps.body, source=None)
+            if config.inference_pool is not None:
+                config = self._with_inference_pool(name, ps.body, config.inference_pool)
         except InvalidSpec as e:
             ps.error = e
             if ps.warned_generation != ps.generation:
@@ -74,6 +101,21 @@ class Reconciler:
                 self.events.emit(ps, "Warning", e.reason, f"{e.message}{kept}")
             log.warning("pool %s is invalid: %s: %s", name, e.reason, e.message)
             return
+        self._apply(ps, config)
+
+    def _with_inference_pool(self, name: str, body: Mapping[str, Any], ref: str) -> PoolConfig:
+        known = self.inference_pools.get(ref)
+        if known is None:
+            raise InvalidSpec("InferencePoolNotFound", f"spec.inferencePoolRef: no InferencePool "
+                              f"{ref!r} in namespace {self.namespace}")
+        if isinstance(known, InvalidSpec):
+            raise InvalidSpec("InvalidInferencePool",
+                              f"InferencePool {ref!r} is invalid: {known.message}")
+        return parse_pool(name, body, source=known.source)
+
+    def _apply(self, ps: PoolState, config: PoolConfig) -> None:
+        """Make the router's pool for ``ps`` follow a valid ``config``: the one place a pool
+        is created or reconfigured, for CachePilotPools and InferencePools alike."""
         ps.error = None
         if ps.config is not None and ps.config == config:
             return  # a status-only or metadata-only change
@@ -86,6 +128,72 @@ class Reconciler:
         self._sync_all_pods(ps)
         if ps.task is None:
             ps.task = self.scraper.start(ps)
+
+    # ---- InferencePools ------------------------------------------------------------------
+
+    async def on_inference_pool_event(self, event_type: str | None,
+                                      body: Mapping[str, Any]) -> None:
+        """An InferencePool changed: re-derive every pool that depends on it."""
+        meta = body.get("metadata") or {}
+        name, uid = meta.get("name", ""), meta.get("uid", "")
+        self.seen_at["inferencepool", name] = self.clock()
+        if event_type == "DELETED":
+            if uid and self.inference_pool_uids.get(name, uid) != uid:
+                return  # an older incarnation's deletion
+            self.inference_pools.pop(name, None)
+            self.inference_pool_uids.pop(name, None)
+        else:
+            own = self.pools.get(ip.router_pool_name(name))
+            if own is not None and self.inference_pool_uids.get(name, uid) != uid:
+                self.drop_pool(own)  # recreated under our feet: a fresh pool
+            self.inference_pool_uids[name] = uid
+            try:
+                self.inference_pools[name] = ip.parse(body)
+            except InvalidSpec as e:
+                previous = self.inference_pools.get(name)
+                self.inference_pools[name] = e
+                if not isinstance(previous, InvalidSpec) or previous.message != e.message:
+                    self.events.emit(self._ip_ref(name, uid), "Warning", e.reason, e.message)
+                log.warning("InferencePool %s is invalid: %s", name, e.message)
+        for ps in list(self.pools.values()):
+            if _reference(ps) == name:
+                self._parse_and_apply(ps)
+        self._place_inference_pools()
+
+    def claimed(self) -> set[str]:
+        """InferencePools some CachePilotPool references (valid or not: the user's intent)."""
+        return {ref for ps in self.pools.values() if (ref := _reference(ps)) is not None}
+
+    def _place_inference_pools(self) -> None:
+        """An InferencePool picked by our Service and claimed by no CachePilotPool is a pool
+        of its own (router defaults); any other has none."""
+        claimed = self.claimed()
+        wanted: dict[str, ip.InferencePoolView] = {}
+        for name, view in self.inference_pools.items():
+            if (isinstance(view, ip.InferencePoolView) and self.epp_service is not None
+                    and view.picked_by(self.epp_service) and name not in claimed):
+                wanted[ip.router_pool_name(name)] = view
+        for key, ps in list(self.pools.items()):
+            if ps.kind == ip.KIND and key not in wanted:
+                self.drop_pool(ps)
+        for key, view in wanted.items():
+            ps = self.pools.get(key)
+            if ps is None:
+                ps = self.pools[key] = PoolState(
+                    name=key, uid=view.uid, kind=ip.KIND,
+                    body_ref=self._ip_ref(view.name, view.uid).body_ref)
+            config = parse_pool(key, {"spec": {"inferencePoolRef": {"name": view.name}}},
+                                source=view.source)
+            self._apply(ps, config)
+
+    def _ip_ref(self, name: str, uid: str) -> PoolState:
+        """A stand-in PoolState for Events about an InferencePool that has no pool here."""
+        return self.pools.get(ip.router_pool_name(name)) or PoolState(
+            name=name, uid=uid, kind=ip.KIND,
+            body_ref={"apiVersion": ip.API_VERSION, "kind": ip.KIND, "name": name,
+                      "namespace": self.namespace, "uid": uid})
+
+    # ---- pods ----------------------------------------------------------------------------
 
     async def on_pod_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         name = (body.get("metadata") or {}).get("name", "")
@@ -106,24 +214,38 @@ class Reconciler:
         log.info("pool %s removed with %d workers", ps.name, len(ps.members))
 
     def _sync_all_pods(self, ps: PoolState) -> None:
-        for name in sorted(set(self.pods) | set(ps.members) | ps.selected):
+        members = {m.pod for m in ps.members.values()}
+        for name in sorted(set(self.pods) | members | ps.selected):
             self._sync_pod(ps, name)
 
-    def _desired(self, ps: PoolState, pod: PodView | None) -> Member | None:
+    def _desired(self, ps: PoolState, pod: PodView | None) -> dict[str, Member]:
+        """The members pod ``pod`` should be in ``ps``, keyed like ``ps.members``: the pod's
+        name, or ``pod:port`` when the pool has several ports (an InferencePool's)."""
         cfg = ps.config
-        if cfg is None or pod is None or not cfg.selector.matches(pod.labels):
+        if cfg is None or cfg.source is None or pod is None \
+                or not cfg.source.selector.matches(pod.labels):
             ps.selected.discard(pod.name if pod else "")
-            return None
+            return {}
         ps.selected.add(pod.name)
-        port = resolve_port(cfg.port, pod)
-        scrape_port = port if cfg.scrape.port is None else resolve_port(cfg.scrape.port, pod)
-        if pod.ip is None or port is None or scrape_port is None:
+        ports = [resolve_port(ref, pod) for ref in cfg.source.ports]
+        scrape_ref = cfg.scrape.port
+        if pod.ip is None or None in ports or (
+                scrape_ref is not None and resolve_port(scrape_ref, pod) is None):
             ps.unresolved.add(pod.name)
-            return None
+            return {}
         ps.unresolved.discard(pod.name)
-        return Member(pod=pod.name, address=host_port(pod.ip, port),
-                      scrape_url=f"http://{host_port(pod.ip, scrape_port)}{cfg.scrape.path}",
-                      ready=pod.ready)
+        kv = kv_event_endpoints(cfg.kv_events, pod) if cfg.kv_events is not None else None
+        out = {}
+        for port in ports:
+            assert port is not None
+            scrape_port = port if scrape_ref is None else resolve_port(scrape_ref, pod)
+            assert scrape_port is not None
+            key = pod.name if len(ports) == 1 else f"{pod.name}:{port}"
+            out[key] = Member(pod=pod.name, address=host_port(pod.ip, port),
+                              scrape_url=f"http://{host_port(pod.ip, scrape_port)}"
+                                         f"{cfg.scrape.path}",
+                              ready=pod.ready, kv_events=kv)
+        return out
 
     def _sync_pod(self, ps: PoolState, name: str) -> None:
         """Make pool ``ps`` agree with pod ``name``: add, update readiness, or remove."""
@@ -133,35 +255,54 @@ class Reconciler:
         if pod is None:
             ps.selected.discard(name)
             ps.unresolved.discard(name)
-        want = self._desired(ps, pod)
-        have = ps.members.get(name)
-        if have is not None and (want is None or want.address != have.address):
+        wanted = self._desired(ps, pod)
+        for key in [k for k, m in ps.members.items() if m.pod == name]:
+            have = ps.members[key]
+            want = wanted.get(key)
+            if want is not None and want.address == have.address:
+                continue
             ps.pool.remove_worker(have.address)
-            del ps.members[name]
+            ps.kv_events.pop(have.address, None)
+            del ps.members[key]
             if have.ready:
                 why = "deleted" if pod is None else "no longer selected"
                 self.events.emit(ps, "Normal", "WorkerLeft",
                                  f"pod {name} ({have.address}) {why}")
-            have = None
-        if want is None:
-            return
         labels = dict(pod.labels) if pod is not None else {}
-        if have is None:
-            ps.pool.upsert_worker(want.address, ready=want.ready, labels=labels)
-            ps.members[name] = want
-            if want.ready:
-                self._joined(ps, want)
-        elif have.ready != want.ready:
-            ps.pool.set_ready(want.address, want.ready)
-            have.ready = want.ready
-            if want.ready:
-                self._joined(ps, have)
+        for key, want in wanted.items():
+            if want.kv_events is not None:
+                ps.kv_events[want.address] = want.kv_events
             else:
-                state = "terminating" if pod is not None and pod.terminating else "not ready"
-                self.events.emit(ps, "Normal", "WorkerLeft",
-                                 f"pod {name} ({have.address}) is {state}")
+                ps.kv_events.pop(want.address, None)
+            have = ps.members.get(key)
+            if have is None:
+                ps.pool.upsert_worker(want.address, ready=want.ready, labels=labels)
+                ps.members[key] = want
+                if want.ready:
+                    self._joined(ps, want)
+                continue
+            have.kv_events = want.kv_events
+            if have.ready != want.ready:
+                ps.pool.set_ready(want.address, want.ready)
+                have.ready = want.ready
+                if want.ready:
+                    self._joined(ps, have)
+                else:
+                    state = "terminating" if pod is not None and pod.terminating else "not ready"
+                    self.events.emit(ps, "Normal", "WorkerLeft",
+                                     f"pod {name} ({have.address}) is {state}")
 
     def _joined(self, ps: PoolState, m: Member) -> None:
         self.events.emit(ps, "Normal", "WorkerJoined", f"pod {m.pod} ({m.address}) is ready")
         # Scrape it now: until its first scrape the router treats it as saturated.
         self.scraper.scrape_soon(ps, m)
+
+
+def _reference(ps: PoolState) -> str | None:
+    """The InferencePool a CachePilotPool's last body references, if any."""
+    if ps.kind != crd.KIND or not isinstance(ps.body, Mapping):
+        return None
+    spec = ps.body.get("spec")
+    ref = spec.get("inferencePoolRef") if isinstance(spec, Mapping) else None
+    name = ref.get("name") if isinstance(ref, Mapping) else None
+    return name if isinstance(name, str) and name else None

@@ -36,9 +36,11 @@ import kopf
 from cachepilot.core import Router
 from cachepilot.gateway.scrape import scrape_once
 from cachepilot.operator import crd
+from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.aio import wait_stopped
 from cachepilot.operator.controller import Controller, OperatorOptions, ScrapeFn
 from cachepilot.operator.kube import KubeClient
+from cachepilot.operator.kv_sources import KVEventSources
 from cachepilot.operator.lease import LeaderElector
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,12 @@ def build_registry(controller: Controller, login: Callable[[], kopf.ConnectionIn
     async def _pod(type: str | None, body: kopf.Body, **_: Any) -> None:
         await forward(controller.on_pod_event, type, body)
 
+    if controller.options.epp_service is not None:
+        # Only when asked: without the InferencePool CRD the watch would fail forever.
+        @kopf.on.event(ip.GROUP, ip.VERSION, ip.PLURAL, registry=registry)
+        async def _inference_pool(type: str | None, body: kopf.Body, **_: Any) -> None:
+            await forward(controller.on_inference_pool_event, type, body)
+
     return registry
 
 
@@ -133,7 +141,8 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
                        login: LoginFn | None = None,
                        scrape: ScrapeFn | None = None,
                        clock: Callable[[], float] = time.time,
-                       options: OperatorOptions | None = None) -> None:
+                       options: OperatorOptions | None = None,
+                       kv_events: KVEventSources | None = None) -> None:
     """Watch CachePilotPools and their pods in ``namespace`` and keep ``router`` in step,
     until ``stop_flag`` is set. Call it as a task on the gateway's event loop.
 
@@ -141,7 +150,8 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     uses ``time.time``): scrapes are stamped with it and staleness is judged against it.
     ``ready_flag`` is set once kopf has started watching. Raises if the first login fails;
     later API trouble is retried (kopf's watcher is restarted with backoff), never raised
-    into the gateway.
+    into the gateway. ``kv_events`` (the gateway's ``GatewayConfig.kv_endpoints``) is bound to
+    this operator's view: it answers where each worker publishes KV-cache events.
     """
     options = options or OperatorOptions()
     login = login or default_login
@@ -156,7 +166,7 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     session = aiohttp.ClientSession()
     controller = Controller(router, namespace=namespace, scrape=scrape or scrape_once,
                             session=session, client=client, identity=identity,
-                            options=options, clock=clock)
+                            options=options, clock=clock, kv_events=kv_events)
     loop = asyncio.get_running_loop()
     registry = build_registry(controller, login, loop)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
 from cachepilot.core.policies import LIVE_POLICIES
 from cachepilot.gateway.engine_metrics import ENGINES
+from cachepilot.gateway.kv_events import Endpoints
 from cachepilot.operator import crd
 
 PortRef = int | str | None
@@ -70,15 +71,58 @@ class ScrapeConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolConfig:
-    """A validated CachePilotPool: what to select, where to send and scrape, how to route."""
+class KVEventsConfig:
+    """Where each worker pod publishes vLLM's KV-cache events (``--kv-events-config``).
+
+    The port is the same for every pod (``port``) or read from a pod annotation
+    (``port_annotation``: pods without it publish nothing we follow). ``replay_port`` is the
+    publisher's ``replay_endpoint``; ``None`` means the events port + 1, the convention of
+    ``cachepilot gateway --kv-events-port`` and of our sample workers.
+    """
+
+    port: PortRef
+    port_annotation: str | None
+    replay_port: PortRef
+    replay: bool
+    topic: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSource:
+    """Which pods are a pool's workers and on which ports: from a CachePilotPool's own
+    ``selector``/``port``, or from an InferencePool's ``selector``/``targetPorts`` (each
+    target port of a pod is a worker of its own, as the endpoint picker protocol says)."""
 
     selector: Selector
-    port: PortRef
+    ports: tuple[PortRef, ...]
+    raw_selector: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """A validated pool: what to select, where to send and scrape, how to route.
+
+    ``source`` is ``None`` only for a CachePilotPool whose ``inferencePoolRef`` names an
+    InferencePool the operator has not seen (yet): such a pool cannot be routed.
+    """
+
+    source: WorkerSource | None
     scrape: ScrapeConfig
     spec: PoolSpec
     generation: int = 0
-    raw_selector: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    inference_pool: str | None = None  # spec.inferencePoolRef.name
+    kv_events: KVEventsConfig | None = None
+
+    @property
+    def selector(self) -> Selector:
+        assert self.source is not None
+        return self.source.selector
+
+    @property
+    def port(self) -> PortRef:
+        """The serving port when the pool has one (CachePilotPools always do)."""
+        assert self.source is not None
+        return self.source.ports[0]
 
 
 def parse_selector(raw: Any) -> Selector:
@@ -138,13 +182,62 @@ def _section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value
 
 
-def parse_pool(name: str, body: Mapping[str, Any]) -> PoolConfig:
-    """Validate a CachePilotPool body. Raises :class:`InvalidSpec` with a condition reason."""
+def _kv_events(spec: Mapping[str, Any]) -> KVEventsConfig | None:
+    kv = spec.get("kvEvents")
+    if kv is None:
+        return None
+    if not isinstance(kv, Mapping):
+        raise InvalidSpec("InvalidSpec", "spec.kvEvents must be an object")
+    port = _port_ref(kv.get("port"), "spec.kvEvents.port")
+    annotation = kv.get("portAnnotation")
+    if annotation is not None and (not isinstance(annotation, str) or not annotation):
+        raise InvalidSpec("InvalidSpec", "spec.kvEvents.portAnnotation must be an annotation "
+                          f"key, not {annotation!r}")
+    if (port is None) == (annotation is None):
+        raise InvalidSpec("InvalidSpec", "spec.kvEvents needs exactly one of port and "
+                          "portAnnotation")
+    replay = kv.get("replay", True)
+    if not isinstance(replay, bool):
+        raise InvalidSpec("InvalidSpec", f"spec.kvEvents.replay must be true or false, "
+                          f"not {replay!r}")
+    topic = kv.get("topic", crd.DEFAULT_KV_TOPIC)
+    if not isinstance(topic, str):
+        raise InvalidSpec("InvalidSpec", f"spec.kvEvents.topic must be a string: {topic!r}")
+    return KVEventsConfig(port=port, port_annotation=annotation,
+                          replay_port=_port_ref(kv.get("replayPort"), "spec.kvEvents.replayPort"),
+                          replay=replay, topic=topic)
+
+
+def _inference_pool_ref(spec: Mapping[str, Any]) -> str | None:
+    ref = spec.get("inferencePoolRef")
+    if ref is None:
+        return None
+    name = ref.get("name") if isinstance(ref, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidSpec("InvalidSpec", "spec.inferencePoolRef.name must name an "
+                          "InferencePool")
+    if "selector" in spec or "port" in spec:
+        raise InvalidSpec("InvalidSpec", "spec.inferencePoolRef takes the workers' selector "
+                          "and ports from the InferencePool: drop spec.selector and spec.port")
+    return name
+
+
+def parse_pool(name: str, body: Mapping[str, Any],
+               source: WorkerSource | None = None) -> PoolConfig:
+    """Validate a CachePilotPool body. Raises :class:`InvalidSpec` with a condition reason.
+
+    A pool with ``spec.inferencePoolRef`` takes its workers from that InferencePool:
+    ``source`` is the InferencePool's (:mod:`cachepilot.operator.inferencepool`), or
+    ``None`` while it is unknown. Everything else (models, scrape, routing) is the pool's own.
+    """
     spec = body.get("spec")
     if not isinstance(spec, Mapping):
         raise InvalidSpec("InvalidSpec", "spec is missing")
-    selector = parse_selector(spec.get("selector"))
-    port = _port_ref(spec.get("port"), "spec.port")
+    ref = _inference_pool_ref(spec)
+    if ref is None:
+        source = WorkerSource(parse_selector(spec.get("selector")),
+                              (_port_ref(spec.get("port"), "spec.port"),),
+                              spec.get("selector") or {})
 
     models = spec.get("models") or []
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
@@ -194,21 +287,27 @@ def parse_pool(name: str, body: Mapping[str, Any]) -> PoolConfig:
             changes[attr] = int(value) if isinstance(getattr(base_cost, attr), int) else value
     cost = base_cost.with_(stale_after_s=stale, **changes)
 
+    seed = routing.get("vllmHashSeed")
+    if seed is not None and (not isinstance(seed, str) or not seed):
+        raise InvalidSpec("InvalidSpec", "spec.routing.vllmHashSeed must be the workers' "
+                          f"PYTHONHASHSEED as a string, not {seed!r}")
+    block = replace(block, vllm_seed=seed)
+
     capacity = spec.get("capacityBlocks", PoolSpec().capacity_blocks)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise InvalidSpec("InvalidSpec", "spec.capacityBlocks must be a positive integer")
 
     generation = body.get("metadata", {}).get("generation") or 0
     return PoolConfig(
-        selector=selector,
-        port=port,
+        source=source,
         scrape=ScrapeConfig(port=_port_ref(scrape.get("port"), "spec.scrape.port"),
                             path=path, interval_s=interval, timeout_s=min(timeout, interval),
                             stale_after_s=stale, engine=engine),
         spec=PoolSpec(name=name, models=tuple(models), policy=policy, weights=weights,
                       cost=cost, block=block, capacity_blocks=capacity),
         generation=int(generation),
-        raw_selector=spec.get("selector") or {},
+        inference_pool=ref,
+        kv_events=_kv_events(spec),
     )
 
 
@@ -222,6 +321,7 @@ class PodView:
     name: str
     uid: str
     labels: Mapping[str, str]
+    annotations: Mapping[str, str]
     ip: str | None
     ready: bool  # Ready condition True, not terminating, not finished
     terminating: bool
@@ -245,7 +345,8 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
     ip = status.get("podIP") or None
     return PodView(
         name=meta.get("name", ""), uid=meta.get("uid", ""), labels=dict(meta.get("labels") or {}),
-        ip=ip, ready=cond_ready and not terminating and not finished and ip is not None,
+        annotations=dict(meta.get("annotations") or {}), ip=ip,
+        ready=cond_ready and not terminating and not finished and ip is not None,
         terminating=terminating, ports=ports,
     )
 
@@ -267,3 +368,29 @@ def resolve_port(ref: PortRef, pod: PodView) -> int | None:
 def host_port(ip: str, port: int) -> str:
     """``ip:port`` as Envoy's ORIGINAL_DST cluster reads it (IPv6 in brackets)."""
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def kv_event_endpoints(cfg: KVEventsConfig, pod: PodView) -> Endpoints | None:
+    """Where ``pod`` publishes KV events under ``cfg``, or ``None`` if it does not say (no
+    annotation, an unknown port name, a bad annotation value, no IP yet): that worker's
+    directory stays routing-learned rather than the pool failing."""
+    ref: PortRef = cfg.port
+    if cfg.port_annotation is not None:
+        value = pod.annotations.get(cfg.port_annotation)
+        if value is None:
+            return None
+        try:
+            ref = _port_ref(value, f"annotation {cfg.port_annotation}")
+        except InvalidSpec:
+            return None
+    port = resolve_port(ref, pod) if ref is not None else None
+    if port is None or pod.ip is None:
+        return None
+    replay: int | None = None
+    if cfg.replay:
+        replay = port + 1 if cfg.replay_port is None else resolve_port(cfg.replay_port, pod)
+        if replay is None or not 1 <= replay <= 65535:
+            return None
+    host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
+    return Endpoints(f"tcp://{host}:{port}",
+                     f"tcp://{host}:{replay}" if replay is not None else None, cfg.topic)

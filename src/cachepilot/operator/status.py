@@ -66,7 +66,7 @@ class StatusWriter:
             is_stale = age is None or cfg is None or age > cfg.spec.cost.stale_after_s
             ready += m.ready
             stale += m.ready and is_stale
-            line: dict[str, Any] = {"pod": name, "address": m.address, "ready": m.ready,
+            line: dict[str, Any] = {"pod": m.pod, "address": m.address, "ready": m.ready,
                                     "stale": is_stale}
             if w.metrics is not None and age is not None:
                 line.update(waiting=w.metrics.waiting, running=w.metrics.running,
@@ -84,7 +84,9 @@ class StatusWriter:
             assert ps.error is not None
             rd = ("False", ps.error.reason, f"invalid spec: {ps.error.message}")
         elif not ps.selected:
-            rd = ("False", "NoMatchingPods", "the selector matches no pod in namespace "
+            whose = (f"InferencePool {cfg.inference_pool}'s selector" if cfg.inference_pool
+                     else "the selector")
+            rd = ("False", "NoMatchingPods", f"{whose} matches no pod in namespace "
                   f"{self.namespace}")
         elif not ps.members:
             rd = ("False", "PortNotFound",
@@ -119,8 +121,8 @@ class StatusWriter:
 
     async def write_status(self, ps: PoolState) -> bool:
         """Patch ``ps``'s status if it changed and the rate limit allows; True if patched."""
-        if self.client is None or not self.leading():
-            return False
+        if self.client is None or not self.leading() or ps.kind != crd.KIND:
+            return False  # InferencePools' status belongs to their gateways (inferencepool.py)
         status = self.build_status(ps)
         ready = status["conditions"][0]
         if ready["reason"] != ps.ready_reason:
