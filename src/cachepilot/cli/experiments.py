@@ -24,6 +24,9 @@ from cachepilot.tooling.llamacpp.routers import ROUTERS
 from cachepilot.tooling.llamacpp.study import DEFAULT_ROUTERS, Progress, StudyConfig
 from cachepilot.tooling.llamacpp.study import WORKLOADS as STUDY_WORKLOADS
 from cachepilot.tooling.llamacpp.workload import REQUESTS, SEED
+from cachepilot.tooling.vllm.study import StudyConfig as VllmStudyConfig
+
+_VLLM_REQUESTS = VllmStudyConfig.requests
 
 
 @click.group("experiment")
@@ -242,28 +245,46 @@ def _study_progress() -> Iterator[Progress]:
 
 
 @experiment_group.command("real-model")
+@click.option("--engine", type=click.Choice(["llamacpp", "vllm"]), default="llamacpp",
+              show_default=True,
+              help="llama.cpp workers, or two real vLLM workers whose KV events feed the "
+                   "exact directory (make vllm-venv vllm-model; docs/vllm.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
-@click.option("--out", "out_dir", default="results/real-model", show_default=True,
-              type=click.Path(file_okay=False), help="results.json, samples.json, the plot, logs.")
-@click.option("--requests", type=click.IntRange(1), default=REQUESTS,
-              show_default=True)
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="results.json, samples.json, the plots  [default: results/real-model; "
+                   "vllm: docs/results/vllm]")
+@click.option("--requests", type=click.IntRange(1), default=None,
+              help=f"[default: {REQUESTS}; vllm: {_VLLM_REQUESTS} per phase]")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=WORKLOAD.rate,
-              show_default=True)
+              show_default=True, help="(llamacpp)")
 @click.option("--workers", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--seed", type=int, default=SEED, show_default=True)
+@click.option("--seed", type=int, default=SEED, show_default=True, help="(llamacpp)")
+@click.option("--seeds", default="1,2,3", show_default=True,
+              help="(vllm) Comma-separated: each seed runs round robin and CachePilot on the "
+                   "same requests.")
+@click.option("--logs", "log_dir", default="runs/vllm-study", show_default=True,
+              type=click.Path(file_okay=False), help="(vllm) Worker logs and the raw JSON.")
 @click.option("--groups", type=click.IntRange(1), default=WORKLOAD.groups,
-              show_default=True, help="Shared documents.")
+              show_default=True, help="Shared documents (llamacpp).")
 @click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0),
               default=LlamaWorkerSpec.cache_ram_mib, show_default=True,
-              help="Each worker's prompt cache in MiB (0: only the slot).")
+              help="Each worker's prompt cache in MiB (0: only the slot; llamacpp).")
 @click.option("--slots", type=click.IntRange(1), default=LlamaWorkerSpec.parallel,
-              show_default=True, help="llama-server -np per worker.")
-def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, workers: int,
-                   seed: int, groups: int, cache_ram_mib: int, slots: int) -> None:
-    """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp."""
+              show_default=True, help="llama-server -np per worker (llamacpp).")
+def real_model_cmd(engine: str, as_json: bool, out_dir: str | None, requests: int | None,
+                   rate: float, workers: int, seed: int, seeds: str, log_dir: str,
+                   groups: int, cache_ram_mib: int, slots: int) -> None:
+    """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp, or
+    on vLLM (round robin vs CachePilot, hit prediction with KV events vs routing-learned)."""
+    if engine == "vllm":
+        _real_model_vllm(seeds, requests or _VLLM_REQUESTS, workers,
+                         out_dir or "docs/results/vllm", log_dir, as_json)
+        return
     why = installed()
     if why:
         raise click.ClickException(why)
+    out_dir = out_dir or "results/real-model"
+    requests = requests or REQUESTS
     workload = WORKLOAD.with_(rate=rate, groups=groups)
     spec = LlamaWorkerSpec(threads=threads_per_worker(workers), parallel=slots,
                            cache_ram_mib=cache_ram_mib)
@@ -277,6 +298,47 @@ def real_model_cmd(as_json: bool, out_dir: str, requests: int, rate: float, work
         click.echo(orjson.dumps(result).decode())
         return
     _table(result)
+
+
+def _real_model_vllm(seeds: str, requests: int, workers: int, out_dir: str, log_dir: str,
+                     as_json: bool) -> None:
+    """The vLLM study (tooling/vllm/study.py) and its report (tooling/vllm/report.py)."""
+    import asyncio
+    import shlex
+
+    from cachepilot.tooling.vllm.report import meets, write_outputs
+    from cachepilot.tooling.vllm.stack import default_venv, missing
+    from cachepilot.tooling.vllm.study import run as run_vllm_study
+
+    why = missing()
+    if why:
+        raise click.ClickException(why)
+    try:
+        seed_list = tuple(int(s) for s in seeds.split(",") if s.strip())
+    except ValueError:
+        raise click.BadParameter(f"{seeds!r}: comma-separated integers",
+                                 param_hint="--seeds") from None
+    cfg = VllmStudyConfig(seeds=seed_list, requests=requests, workers=workers)
+    command = shlex.join(["cachepilot", "experiment", "real-model", "--engine", "vllm",
+                          "--seeds", seeds, "--requests", str(requests), "--out", out_dir])
+    echo = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
+    try:
+        data = asyncio.run(run_vllm_study(cfg, default_venv(), Path(log_dir), echo))
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        raise stack_failed(exc, log_dir) from None
+    (Path(log_dir) / "vllm-study.json").write_bytes(orjson.dumps(data))  # before the report
+    pred = write_outputs(data, Path(out_dir), command)
+    if as_json:
+        click.echo(orjson.dumps({"summary": data["summary"], "prediction": pred}).decode())
+        return
+    for name, e in pred.items():
+        ev, ap = e["events"]["pooled"], e["approximate"]["pooled"]
+        h, m = e["ttft_predicted_hit"], e["ttft_predicted_miss"]
+        click.echo(f"{name:12s} events P/R {ev['precision']}/{ev['recall']}  approximate P/R "
+                   f"{ap['precision']}/{ap['recall']}  TTFT p50 hit {h['p50_s']} s "
+                   f"(n={h['n']}) miss {m['p50_s']} s (n={m['n']})")
+    click.echo(f"bar (events P and R >= 0.98): {'met' if meets(pred) else 'MISSED'}; "
+               f"wrote {Path(out_dir) / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
 
 
 def _ms(x: float | None) -> str:

