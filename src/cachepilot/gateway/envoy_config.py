@@ -32,7 +32,7 @@ import orjson
 import yaml
 
 from cachepilot.core.request import INFERENCE_PATHS
-from cachepilot.gateway.service import (
+from cachepilot.gateway.protocol import (
     BODY_METADATA,
     BUFFERED_BODY,
     DECISION_HEADER,
@@ -42,6 +42,10 @@ from cachepilot.gateway.service import (
     OBSERVE_METADATA,
     OBSERVE_ROLE,
     ROLE_METADATA,
+    ROUTE_ROLE,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
     WORKER_HEADER,
 )
 
@@ -385,8 +389,11 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            # Marks the streams as ours for a gateway in --protocol auto (the per-route
+            # metadata of inference routes marks theirs too).
             "grpc_service": {"envoy_grpc": {"cluster_name": "cachepilot_ext_proc"},
-                             "timeout": "5s"},
+                             "timeout": "5s",
+                             "initial_metadata": [{"key": ROLE_METADATA, "value": ROUTE_ROLE}]},
             "failure_mode_allow": o.fail_open,
             "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
             # The gateway's ordered worker list for the override-host cluster.
@@ -471,6 +478,208 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
 
 def render(o: EnvoyOptions, fmt: str = "yaml") -> str:
     config = build_bootstrap(o)
+    if fmt == "json":
+        return orjson.dumps(config, option=orjson.OPT_INDENT_2).decode()
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+# -- Envoy in front of an endpoint picker, as the reference gateways configure it ------------
+#
+# Followed: gateway-api-inference-extension test/testdata/envoy.yaml and
+# config/charts/standalone/values.yaml (at 1748e829, the last tree with the full EPP):
+# one ext_proc filter sending request and response headers, FULL_DUPLEX_STREAMED bodies both
+# ways and trailers (SEND), a 1000 s message timeout, no allow_mode_override, a gRPC health
+# check of the EPP on "envoy.service.ext_proc.v3.ExternalProcessor", and an ORIGINAL_DST
+# cluster on the x-gateway-destination-endpoint header. docs/epp.md explains the additions.
+
+EPP_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+@dataclass(frozen=True)
+class EppEnvoyOptions:
+    listen_address: str = "0.0.0.0"
+    listen_port: int = 8081
+    admin_address: str = "127.0.0.1"
+    admin_port: int = 19000
+    epp_host: str = "127.0.0.1"  # the endpoint picker (any, not only CachePilot)
+    epp_port: int = 9002
+    # InferencePool failureMode: FailClose (failure_mode_allow false, as the reference Envoy:
+    # EPP unreachable → 5xx) or FailOpen (the request goes on; without a destination it is
+    # sent round robin to fallback_workers, or to `workers` when they are known).
+    fail_open: bool = False
+    fallback_workers: tuple[str, ...] = ()
+    # Known workers (ip:port): an override-host cluster that reads the EPP's envoy.lb
+    # metadata first, then the header (a list walks on retries). None known: the reference's
+    # ORIGINAL_DST cluster on the header.
+    workers: tuple[str, ...] = ()
+    # Report who served each response (envoy.lb / x-gateway-destination-endpoint-served) to
+    # the EPP on the response messages, as the protocol asks of the data plane.
+    report_served: bool = True
+    # Let a request header x-gateway-destination-endpoint-subset become the subset hint
+    # (envoy.lb.subset_hint metadata), the way a gateway sets it from its own state. For
+    # tests: it lets a client restrict the endpoints.
+    subset_from_header: bool = False
+    generate_request_id: bool = True  # Envoy's default; off, the EPP must generate one
+    message_timeout_s: float = 1000.0  # the reference's
+    route_timeout_s: float = 86400.0  # the reference's: long generations stream
+    health_check_interval_s: float = 10.0  # the reference's; 0: no health check
+    retries: int = 0  # per request, along the EPP's endpoint list (override-host cluster)
+    max_requests: int = 40_000  # the reference's circuit breakers
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.fail_open and not (self.fallback_workers or self.workers):
+            raise ValueError("fail-open needs fallback workers (host:port) to send requests to")
+        for hp in (*self.fallback_workers, *self.workers):
+            _split(hp)
+
+
+def _epp_cluster(o: EppEnvoyOptions) -> dict[str, Any]:
+    cluster = _static_cluster("epp", [(o.epp_host, o.epp_port)], http2=True)
+    cluster["lb_policy"] = "LEAST_REQUEST"
+    cluster["circuit_breakers"] = _breakers(o.max_requests)
+    if o.health_check_interval_s > 0:
+        cluster["health_checks"] = [{
+            "timeout": "2s", "interval": f"{o.health_check_interval_s}s",
+            "unhealthy_threshold": 3, "healthy_threshold": 2, "reuse_connection": True,
+            "grpc_health_check": {"service_name": EPP_HEALTH_SERVICE}}]
+    return cluster
+
+
+def epp_workers_cluster(name: str, workers: tuple[str, ...], *, sources: tuple[str, ...] = (
+        "metadata", "header"), max_requests: int = 40_000) -> dict[str, Any]:
+    """Known workers behind Envoy's override-host load balancer, reading the EPP's choice
+    from ``sources`` in order: ``envoy.lb`` metadata and/or the destination header. Without
+    either, round robin (the fail-open path)."""
+    cluster = _static_cluster(name, [_split(h) for h in workers])
+    del cluster["lb_policy"]
+    found = {"metadata": {"metadata": {"key": LB_METADATA_NAMESPACE,
+                                       "path": [{"key": DESTINATION_HEADER}]}},
+             "header": {"header": DESTINATION_HEADER}}
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": _T + "extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [found[s] for s in sources],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": _T + "extensions.load_balancing_policies.round_robin"
+                                              ".v3.RoundRobin"}}}]}}}}]}
+    cluster["circuit_breakers"] = _breakers(max_requests)
+    return cluster
+
+
+def epp_ext_proc_filter(o: EppEnvoyOptions) -> dict[str, Any]:
+    """The ext_proc filter as the reference gateway configures it for an EPP."""
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+            "failure_mode_allow": o.fail_open,
+            "message_timeout": f"{o.message_timeout_s:g}s",
+            "processing_mode": {
+                "request_header_mode": "SEND", "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"},
+            "metadata_options": {
+                # The subset hint and the served endpoint go to the EPP; its envoy.lb answer
+                # (the destination) is accepted for the override-host cluster.
+                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, LB_METADATA_NAMESPACE]},
+                "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+        },
+    }
+
+
+def _header_to_metadata(rules_key: str, header: str, namespace: str, key: str
+                        ) -> dict[str, Any]:
+    return {"name": "envoy.filters.http.header_to_metadata", "typed_config": {
+        "@type": _T + "extensions.filters.http.header_to_metadata.v3.Config",
+        rules_key: [{"header": header, "remove": True, "on_header_present": {
+            "metadata_namespace": namespace, "key": key, "type": "STRING"}}]}}
+
+
+def epp_routes(o: EppEnvoyOptions, cluster: str, name: str = "inference"
+               ) -> list[dict[str, Any]]:
+    """Everything to the pool; fail-open: requests the EPP named no worker for (it was
+    down) go round robin to the fallback cluster."""
+    route: dict[str, Any] = {"cluster": cluster, "timeout": f"{o.route_timeout_s:g}s",
+                             "idle_timeout": f"{o.route_timeout_s:g}s"}
+    if o.retries:
+        route["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset-before-request",
+                                 "num_retries": o.retries}
+    served = [{"header": {"key": SERVED_KEY, "value": "%UPSTREAM_HOST%"},
+               "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}] if o.report_served else []
+    base = {"match": {"prefix": "/"}, "route": route, "response_headers_to_add": served}
+    if not o.fail_open or o.workers:  # override-host falls back on its own
+        return [{"name": name, **base}]
+    picked = {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
+    return [{"name": f"{name}-picked", **base, "match": picked},
+            {"name": f"{name}-fallback", **base,
+             "route": {**route, "cluster": "epp_fallback"}}]
+
+
+def build_epp_bootstrap(o: EppEnvoyOptions) -> dict[str, Any]:
+    """Envoy in front of an endpoint picker (docs/epp.md), as a dict."""
+    workers = (epp_workers_cluster("inference_pool", o.workers, max_requests=o.max_requests)
+               if o.workers else
+               {"name": "inference_pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+                "connect_timeout": "5s", "circuit_breakers": _breakers(o.max_requests),
+                "original_dst_lb_config": {"use_http_header": True,
+                                           "http_header_name": DESTINATION_HEADER}})
+    filters: list[dict[str, Any]] = []
+    if o.subset_from_header:  # decoded before ext_proc: the EPP sees the hint
+        filters.append(_header_to_metadata("request_rules", SUBSET_KEY, SUBSET_NAMESPACE,
+                                           SUBSET_KEY))
+    filters.append(epp_ext_proc_filter(o))
+    if o.report_served:  # encoded before ext_proc: the EPP sees who served
+        filters.append(_header_to_metadata("response_rules", SERVED_KEY, LB_METADATA_NAMESPACE,
+                                           SERVED_KEY))
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": _T + "extensions.filters.http.router.v3.Router",
+        "suppress_envoy_headers": True}})
+    hcm = {
+        "@type": _T + "extensions.filters.network.http_connection_manager.v3"
+                      ".HttpConnectionManager",
+        "stat_prefix": "epp_gateway",
+        "codec_type": "AUTO",
+        "generate_request_id": o.generate_request_id,
+        # A client must not pick the upstream itself.
+        "early_header_mutation_extensions": [{
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": _T + "extensions.http.early_header_mutation.header_mutation.v3"
+                              ".HeaderMutation",
+                "mutations": [{"remove": DESTINATION_HEADER}, {"remove": SERVED_KEY}]}}],
+        "route_config": {"name": "inference", "virtual_hosts": [
+            {"name": "inference", "domains": ["*"],
+             "routes": epp_routes(o, "inference_pool")}]},
+        "http_filters": filters,
+    }
+    clusters = [_epp_cluster(o), workers]
+    if o.fail_open and not o.workers:
+        fb = _static_cluster("epp_fallback", [_split(h) for h in o.fallback_workers])
+        fb["circuit_breakers"] = _breakers(o.max_requests)
+        clusters.append(fb)
+    return {
+        "admin": {"address": _addr(o.admin_address, o.admin_port)},
+        "static_resources": {
+            "listeners": [{
+                "name": "epp_gateway",
+                "address": _addr(o.listen_address, o.listen_port),
+                "filter_chains": [{"filters": [
+                    {"name": "envoy.filters.network.http_connection_manager",
+                     "typed_config": hcm}]}],
+            }],
+            "clusters": clusters,
+        },
+        **o.extra,
+    }
+
+
+def render_epp(o: EppEnvoyOptions, fmt: str = "yaml") -> str:
+    config = build_epp_bootstrap(o)
     if fmt == "json":
         return orjson.dumps(config, option=orjson.OPT_INDENT_2).decode()
     return yaml.safe_dump(config, sort_keys=False)

@@ -38,6 +38,8 @@ from cachepilot.records.explain import summary
 
 log = logging.getLogger("cachepilot.gateway")
 
+EPP_HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+
 
 @dataclass
 class GatewayConfig:
@@ -122,7 +124,10 @@ class Gateway:
         site = web.TCPSite(self._runner, self.config.admin_host, self.config.admin_port)
         await site.start()
         self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        # The endpoint picker protocol's health services (liveness, readiness, the ext_proc
+        # service itself; docs/proposals/004-endpoint-picker-protocol), and the server's.
+        for service in ("", *EPP_HEALTH_SERVICES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("gateway: ext_proc on :%d, admin on %s:%d", self.grpc_port,
                  self.config.admin_host, self.admin_port)
 

@@ -1,0 +1,106 @@
+"""Names and message builders shared by both ext_proc protocols the gateway speaks: its own
+(Envoy configured by :mod:`cachepilot.gateway.envoy_config`) and the Gateway API Inference
+Extension's endpoint picker protocol (:mod:`cachepilot.gateway.epp`; docs/epp.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from cachepilot.core.decision import Decision
+from cachepilot.core.request import RequestError
+
+# -- the endpoint picker protocol (docs/proposals/004-endpoint-picker-protocol) -------------
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# Where the destination also goes: dynamic metadata envoy.lb/<DESTINATION_HEADER>.
+LB_METADATA_NAMESPACE = "envoy.lb"
+# The proxy's subset hint: filter metadata envoy.lb.subset_hint/<SUBSET_KEY>, a list of
+# ip:port (or a comma-separated string, as a header-to-metadata rule writes it).
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# Who served the response: filter metadata envoy.lb/<SERVED_KEY> on the response messages.
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+# The reference EPP's request headers (pkg/epp/metadata/consts.go).
+MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+REQUEST_ID_HEADER = "x-request-id"
+# The reference lightweight EPP echoes the served endpoint in this response header for the
+# upstream conformance tests (pkg/lwepp/metadata/consts.go); so do we.
+SERVED_REPORT_HEADER = "x-conformance-test-served-endpoint"
+# Largest streamed body chunk sent back to Envoy (pkg/common/envoy/chunking.go: 62,000 bytes,
+# under the 64 KiB some proxies allow per chunk).
+BODY_CHUNK_LIMIT = 62_000
+
+# -- CachePilot's own Envoy config ---------------------------------------------------------
+DECISION_HEADER = "x-cachepilot-decision-id"
+# Set by Envoy on every answer to the worker that answered (%UPSTREAM_HOST%).
+WORKER_HEADER = "x-cachepilot-worker"
+# Set by Envoy on its own replies that say why (e.g. worker_unreachable).
+ERROR_HEADER = "x-cachepilot-error"
+FALLBACKS = 2  # runner-ups after the chosen worker in the list Envoy's retries walk
+# gRPC metadata Envoy's per-route ext_proc config adds to a stream: an observing stream's
+# role, and a routing stream whose body comes BUFFERED (one message, after the headers'
+# answer) rather than STREAMED. Any x-cachepilot-* key marks a stream as ours (not EPP).
+METADATA_PREFIX = "x-cachepilot-"
+ROLE_METADATA = "x-cachepilot-role"
+OBSERVE_ROLE = "observe"
+ROUTE_ROLE = "route"
+BODY_METADATA = "x-cachepilot-body"
+BUFFERED_BODY = "buffered"
+# How the routing stream's request will be observed, as Envoy's config says: "async" (an
+# observing stream takes it over), "sync" (the routing stream carries the response), "off".
+OBSERVE_METADATA = "x-cachepilot-observe"
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_mutation(pairs: dict[str, str], remove: Iterable[str] = ()) -> ep.HeaderMutation:
+    return ep.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                   append_action=_OVERWRITE)
+        for k, v in pairs.items()], remove_headers=list(remove))
+
+
+def header_value(h: base_pb2.HeaderValue) -> str:
+    """Envoy fills raw_value; value only in older versions."""
+    return h.raw_value.decode("latin-1") if h.raw_value else h.value
+
+
+def fallback_list(d: Decision) -> str:
+    """The chosen worker, then up to FALLBACKS eligible runner-ups, best first."""
+    rest = sorted((c for c in d.candidates if c.eligible and c.worker != d.chosen),
+                  key=lambda c: -c.value)
+    return ",".join([d.chosen, *(c.worker for c in rest[:FALLBACKS])])
+
+
+def lb_metadata(destinations: str) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.update({LB_METADATA_NAMESPACE: {DESTINATION_HEADER: destinations}})
+    return md
+
+
+def immediate(err: RequestError) -> ep.ProcessingResponse:
+    """A JSON error straight back to the client; Envoy never contacts a worker."""
+    hdrs = {"content-type": "application/json"}
+    if err.retry_after_s is not None:
+        hdrs["retry-after"] = str(int(err.retry_after_s))
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=err.status), headers=header_mutation(hdrs),
+        body=err.to_json(), details=f"cachepilot_{err.code}"))
+
+
+def streamed_body(data: bytes, end_of_stream: bool, *, response: bool
+                  ) -> list[ep.ProcessingResponse]:
+    """A body handed back to Envoy in FULL_DUPLEX_STREAMED mode, in chunks of at most
+    BODY_CHUNK_LIMIT bytes, the last one carrying ``end_of_stream`` (one empty chunk when
+    there is no data)."""
+    key = "response_body" if response else "request_body"
+    pieces = [data[i:i + BODY_CHUNK_LIMIT] for i in range(0, len(data), BODY_CHUNK_LIMIT)]
+    pieces = pieces or [b""]
+    return [ep.ProcessingResponse(**{key: ep.BodyResponse(response=ep.CommonResponse(
+        body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+            body=p, end_of_stream=end_of_stream and i == len(pieces) - 1))))})
+        for i, p in enumerate(pieces)]
