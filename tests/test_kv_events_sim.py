@@ -5,12 +5,19 @@ equal to the engine's own cache lookup, through evictions."""
 
 import asyncio
 import random
+import time
+from pathlib import Path
+
+import httpx
+from aiohttp.test_utils import TestServer
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
 from cachepilot.gateway.kv_events import Endpoints, KVEventHub
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.tooling.kv_event_publisher import EngineTap, KVEventPublisher
+from cachepilot.tooling.sim_worker import WorkerConfig, make_app
+from cachepilot.tooling.stack import LocalStack, StackConfig
 
 BLOCK = BlockConfig(block_size=16)
 
@@ -53,3 +60,106 @@ async def test_gateway_and_simulated_engine_agree_through_evictions() -> None:
     finally:
         await hub.stop()
         pub.close()
+
+
+# -- the simulated worker (tooling/sim_worker.py) publishing, the gateway following ---------
+
+WORKER = WorkerConfig(engine=EngineConfig(block_size=16, num_blocks=48, max_batch=4,
+                                          max_batched_tokens=512), speed=50.0)
+
+
+def _prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    docs = [" ".join(f"doc{g}-w{i}" for i in range(rng.randint(40, 90))) for g in range(6)]
+    return [rng.choice(docs) + f" question {i} " + "x" * rng.randint(0, 60) for i in range(n)]
+
+
+def _capped(blocks: int, prompt_tokens: int, bs: int) -> int:
+    """The engine computes at least one prompt token (sim/engine.py _admit)."""
+    if blocks * bs >= prompt_tokens:
+        blocks = max(0, -(-prompt_tokens // bs) - 1)
+    return blocks * bs
+
+
+async def test_sim_worker_publishes_what_it_holds_and_the_directory_predicts_cached_tokens(
+        ) -> None:
+    app = make_app(WORKER, ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+    worker, pub = app["worker"], app["worker"].publisher
+    server = TestServer(app)
+    await server.start_server()
+    d = PrefixDirectory(48)
+    d.add_worker("w")
+    hub = KVEventHub(tick=0.01, heartbeat_every=0.2, replay_timeout=0.3, stale_after=5.0)
+    hub.attach("w", Endpoints(pub.endpoint, pub.replay_endpoint, "kv-events"), d)
+    block = BlockConfig(16, WORKER.chars_per_token)
+    url = str(server.make_url("/v1/completions"))
+    hits = 0
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for i, prompt in enumerate(_prompts(50, 3)):
+                for _ in range(100):  # the last step's events land within a tick or two
+                    if d.mode("w") == "exact" and set(d.event_blocks("w")) == held(
+                            worker.engine):
+                        break
+                    await asyncio.sleep(0.01)
+                assert set(d.event_blocks("w")) == held(worker.engine), f"request {i}"
+                fp = fingerprint(WORKER.model, block, text=prompt)
+                predicted = _capped(d.match(fp.hashes, ["w"])["w"], max(1, fp.tokens), 16)
+                r = await client.post(url, json={"model": WORKER.model, "prompt": prompt,
+                                                 "max_tokens": 2})
+                r.raise_for_status()
+                got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert got == predicted, f"request {i}: predicted {predicted}, engine {got}"
+                hits += got > 0
+            listed = (await client.get(str(server.make_url("/debug/kv_blocks")))).json()
+        assert set(listed["blocks"]) == held(worker.engine)
+        assert hits >= 10 and worker.engine.evictions > 0
+        st = hub.status()["w"]
+        assert st["mode"] == "exact" and st["holes"] == 0 and st["malformed"] == 0
+    finally:
+        await hub.stop()
+        await server.close()
+
+
+def test_local_stack_with_kv_events_gateway_agrees_with_sim_workers(tmp_path: Path) -> None:
+    """``cachepilot up --kv-events``'s stack: Envoy, the gateway subscribed to two simulated
+    workers' events on their own loopback addresses. Every decision's predicted cached tokens
+    equal the engine's, and afterwards the gateway's event set per worker holds as many blocks
+    as the worker does (all of them in exact mode)."""
+    cfg = StackConfig(workers=2, kv_events=True, speed=20.0, decision_log=str(tmp_path / "d"),
+                      worker_args=("--num-blocks", "96"), log_dir=str(tmp_path / "logs"))
+    with LocalStack(cfg) as stack, httpx.Client(timeout=30) as client:
+        assert {a.split(":")[0] for a in stack.worker_addresses} == {"127.0.0.2", "127.0.0.3"}
+        deadline = time.monotonic() + 20
+        while {w["directory_mode"] for w in client.get(f"{stack.admin_url}/workers").json()} \
+                != {"exact"}:
+            assert time.monotonic() < deadline, client.get(f"{stack.admin_url}/workers").text
+            time.sleep(0.1)
+        pairs = []
+        for prompt in _prompts(40, 5):
+            r = client.post(f"{stack.url}/v1/completions", json={
+                "model": cfg.model, "prompt": prompt, "max_tokens": 2})
+            r.raise_for_status()
+            got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            rid = r.headers["x-cachepilot-decision-id"]
+            rec = None
+            for _ in range(100):  # the decision log commits in batches
+                resp = client.get(f"{stack.admin_url}/decisions/{rid}")
+                rec = resp.json().get("record") if resp.status_code == 200 else None
+                if rec:
+                    break
+                time.sleep(0.05)
+            assert rec is not None, rid
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            predicted = _capped(rec["predicted_cached_tokens"] // 16, prompt_tokens, 16)
+            pairs.append((predicted, got))
+            time.sleep(0.05)  # the step's events reach the gateway
+        assert all(p == g for p, g in pairs), pairs
+        assert sum(g > 0 for _, g in pairs) >= 15
+        time.sleep(0.3)
+        ws = {w["address"]: w for w in client.get(f"{stack.admin_url}/workers").json()}
+        for addr in stack.worker_addresses:
+            held_now = client.get(f"http://{addr}/debug/kv_blocks").json()["blocks"]
+            ev = ws[addr]["kv_events"]
+            assert ws[addr]["directory_mode"] == "exact" and ev["holes"] == 0
+            assert ev["event_blocks"] == len(held_now) > 0, (addr, ev, len(held_now))

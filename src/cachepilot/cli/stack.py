@@ -38,9 +38,12 @@ from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, ch
 @click.option("--replicas", type=click.IntRange(1), default=1, show_default=True,
               help="Gateway replicas behind Envoy (sim); more than one share placements and "
                    "in-flight requests over a local NATS server.")
+@click.option("--kv-events", is_flag=True,
+              help="(sim) The workers publish KV-cache events as vLLM does, each on its own "
+                   "loopback address; the gateway's directory follows them (exact mode).")
 def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
            speed: float, fail_open: bool, first_byte_timeout: float, max_restarts: int,
-           decision_log: str | None, replicas: int) -> None:
+           decision_log: str | None, replicas: int, kv_events: bool) -> None:
     """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM). A component that
     exits is restarted with backoff; one that keeps dying stops the stack (exit 1)."""
     try:
@@ -60,12 +63,14 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
                                    weights=weights, speed=speed, fail_open=fail_open,
                                    first_byte_timeout_s=first_byte_timeout,
                                    decision_log=decision_log, gateway_spare=True,
-                                   replicas=replicas))
+                                   replicas=replicas, kv_events=kv_events))
     _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
         f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})",
         f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics"
         + (f"  ({replicas} replicas over NATS :{stack.nats_port}; "
-           f"{stack.admin_url}/replicas)" if replicas > 1 else ""),
+           f"{stack.admin_url}/replicas)" if replicas > 1 else "")
+        + (f"  (KV events on :{stack.kv_events_port} of each worker's address)"
+           if kv_events else ""),
         f"  logs: {stack.log_dir}" + (f"  decisions: {decision_log}" if decision_log else ""),
         f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
         f"-d '{{\"model\":\"{stack.config.model}\",\"prompt\":\"Hello\"}}'"],

@@ -26,9 +26,13 @@ _D = EngineConfig()
               show_default=True)
 @click.option("--step-ms", type=float, default=_D.step_ms, show_default=True)
 @click.option("--chars-per-token", type=float, default=4.0, show_default=True)
+@click.option("--kv-events-port", type=click.IntRange(1, 65534), default=None,
+              help="Publish KV-cache events as vLLM does (ZMQ on HOST:PORT, replay on PORT+1; "
+                   "the gateway's --kv-events-port).")
 def sim_worker_cmd(port: int, host: str, model: str, name: str | None, speed: float,
                    num_blocks: int, block_size: int, max_batch: int, max_batched_tokens: int,
-                   prefill_ms_per_token: float, step_ms: float, chars_per_token: float) -> None:
+                   prefill_ms_per_token: float, step_ms: float, chars_per_token: float,
+                   kv_events_port: int | None) -> None:
     """Run a simulated vLLM-compatible worker (continuous batching, prefix cache)."""
     engine = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
                           max_batched_tokens=max_batched_tokens,
@@ -36,7 +40,7 @@ def sim_worker_cmd(port: int, host: str, model: str, name: str | None, speed: fl
     cfg = WorkerConfig(model=model, engine=engine, chars_per_token=chars_per_token, speed=speed,
                        name=name or f"sim-{port}")
     try:
-        serve(cfg, host, port)
+        serve(cfg, host, port, kv_events_port)
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") \
             from None

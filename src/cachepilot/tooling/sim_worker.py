@@ -1,6 +1,13 @@
 """The simulated worker behind ``cachepilot sim-worker``: an OpenAI-compatible server backed
 by the engine model in real time, exposing vLLM's metric names, so the gateway cannot tell it
-from a (very fast) vLLM."""
+from a (very fast) vLLM.
+
+With ``kv_events`` (``--kv-events-port P``) it also publishes its prefix cache's changes as
+vLLM does (``--kv-events-config``): after every engine step, BlockStored / BlockRemoved in
+vLLM's wire format on ``tcp://HOST:P``, replay on ``P + 1``
+(:mod:`cachepilot.tooling.kv_event_publisher`), so the gateway's directory can run in exact
+mode on simulated workers. Its block hashes are the ones the gateway computes for the same
+``--block-size`` and ``--chars-per-token`` (the simulator's fingerprint)."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import orjson
+import zmq
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -17,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
 from cachepilot.core.request import CHAT_PATH, COMPLETIONS_PATH, RequestError, parse_openai_body
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
+from cachepilot.tooling.kv_event_publisher import EngineTap, KVEventPublisher
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 
@@ -52,9 +61,12 @@ class _Metrics:
 class SimWorker:
     """The engine on a real (scaled) clock plus per-request event queues."""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, publisher: KVEventPublisher | None = None) -> None:
         self.cfg = cfg
         self.engine = Engine(cfg.engine)
+        self.publisher = publisher
+        self.tap = EngineTap(self.engine, publisher, cfg.engine.block_size) if publisher \
+            else None
         self.block = BlockConfig(cfg.engine.block_size, cfg.chars_per_token)
         self.metrics = _Metrics(cfg)
         self._queues: dict[int, asyncio.Queue[str]] = {}
@@ -89,6 +101,8 @@ class SimWorker:
                 continue
             delay = self._t0 + res.end / speed - time.monotonic()
             await asyncio.sleep(max(0.0, delay))
+            if self.tap is not None:  # as vLLM: the step's cache changes, once it is done
+                self.tap.after_step()
             for req in res.first_tokens:
                 self.metrics.ttft.labels(self.metrics.model).observe(req.first_token_at
                                                                      - req.arrival)
@@ -145,8 +159,12 @@ def _error(exc: RequestError) -> web.Response:
     return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json")
 
 
-def make_app(cfg: WorkerConfig) -> web.Application:
-    worker = SimWorker(cfg)
+def make_app(cfg: WorkerConfig, kv_events: tuple[str, str | None] | None = None
+             ) -> web.Application:
+    """The worker's app; with ``kv_events`` = (PUB endpoint, replay endpoint or None), it
+    publishes its KV-cache events there (bound when the app starts, closed when it ends)."""
+    publisher = KVEventPublisher(*kv_events) if kv_events else None
+    worker = SimWorker(cfg, publisher)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["worker"] = worker
 
@@ -155,6 +173,8 @@ def make_app(cfg: WorkerConfig) -> web.Application:
 
     async def on_cleanup(_: web.Application) -> None:
         await worker.stop()
+        if publisher is not None:
+            publisher.close()
 
     async def infer(request: web.Request) -> web.StreamResponse:
         chat = request.path.rstrip("/") == CHAT_PATH
@@ -187,6 +207,12 @@ def make_app(cfg: WorkerConfig) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def kv_blocks(_: web.Request) -> web.Response:
+        """The hashed blocks the engine holds (in use or cached free): what its KV events
+        have announced, for tests and drills to compare with a subscriber's view."""
+        e = worker.engine
+        return web.json_response({"blocks": sorted(set(e._in_use) | set(e._free_cached))})
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=worker.render_metrics(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -195,6 +221,7 @@ def make_app(cfg: WorkerConfig) -> web.Application:
     app.router.add_post(CHAT_PATH, infer)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/debug/kv_blocks", kv_blocks)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
@@ -232,7 +259,14 @@ async def _stream(request: web.Request, ereq: EngineRequest, q: asyncio.Queue[st
     return resp
 
 
-def serve(cfg: WorkerConfig, host: str, port: int) -> None:
-    """Serve one simulated worker until interrupted (OSError if the port is taken)."""
-    web.run_app(make_app(cfg), host=host, port=port, print=None, access_log=None)
+def serve(cfg: WorkerConfig, host: str, port: int, kv_events_port: int | None = None) -> None:
+    """Serve one simulated worker until interrupted (OSError if a port is taken); with
+    ``kv_events_port``, KV events on ``host:kv_events_port`` and replay on the next port."""
+    events = (f"tcp://{host}:{kv_events_port}", f"tcp://{host}:{kv_events_port + 1}") \
+        if kv_events_port else None
+    try:
+        app = make_app(cfg, events)
+    except zmq.ZMQError as exc:
+        raise OSError(exc.errno, f"KV events on {host}:{kv_events_port}: {exc}") from None
+    web.run_app(app, host=host, port=port, print=None, access_log=None)
 

@@ -41,6 +41,21 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+def loopback_hosts(n: int) -> list[str]:
+    """n loopback addresses of their own, 127.0.0.2 on (all of 127/8 is loopback on Linux):
+    workers that each publish KV events on the same port, as pods on their own IPs do."""
+    return [f"127.0.0.{2 + i}" for i in range(n)]
+
+
+def common_port(hosts: list[str], pair: bool = False, tries: int = 200) -> int:
+    """A port free on every host (and the next one too, with ``pair``)."""
+    for _ in range(tries):
+        p = free_port()
+        if all(port_free(q, h) for h in hosts for q in ((p, p + 1) if pair else (p,))):
+            return p
+    raise OSError(f"no port free on all of {hosts}")
+
+
 def check_port_free(port: int, what: str) -> None:
     """PortInUseError naming ``what`` listens there, unless ``port`` is 0 (any) or free."""
     if port and not port_free(port):
@@ -88,6 +103,9 @@ class StackConfig:
     # Gateway replicas behind Envoy's ext_proc cluster; more than one share their routing
     # state over a local NATS server (cachepilot.gateway.replica_bus).
     replicas: int = 1
+    # The simulated workers publish KV-cache events as vLLM does, each on its own loopback
+    # address (127.0.0.2, …) and one common port; the gateway follows them (exact mode).
+    kv_events: bool = False
 
 
 @dataclass
@@ -102,6 +120,15 @@ class LocalStack(LoopbackAddresses):
     replica_ports: list[tuple[int, int]] = field(default_factory=list)  # replicas 1…: (grpc, admin)
     nats_port: int = 0
     log_dir: Path = Path()
+    worker_hosts: list[str] = field(default_factory=list)  # kv_events: one address each
+    kv_events_port: int = 0
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        if self.worker_hosts:
+            return [f"{h}:{p}" for h, p in zip(self.worker_hosts, self.worker_ports,
+                                               strict=True)]
+        return [f"127.0.0.1:{p}" for p in self.worker_ports]
 
     @property
     def url(self) -> str:
@@ -114,11 +141,19 @@ class LocalStack(LoopbackAddresses):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes.log_dir = self.log_dir
         cp = [sys.executable, "-m", "cachepilot"]
-        self.worker_ports = [free_port() for _ in range(c.workers)]
+        events: list[str] = []
+        if c.kv_events and c.workers:
+            self.worker_hosts = loopback_hosts(c.workers)
+            self.worker_ports = [common_port(self.worker_hosts)] * c.workers
+            self.kv_events_port = common_port(self.worker_hosts, pair=True)
+            events = ["--kv-events-port", str(self.kv_events_port)]
+        else:
+            self.worker_ports = [free_port() for _ in range(c.workers)]
         for i, port in enumerate(self.worker_ports):
+            host = ["--host", self.worker_hosts[i]] if self.worker_hosts else []
             self.processes.spawn(f"worker-{i}", [
                 *cp, "sim-worker", "--port", str(port), "--model", c.model, "--speed",
-                str(c.speed), "--name", f"worker-{i}", *c.worker_args])
+                str(c.speed), "--name", f"worker-{i}", *host, *events, *c.worker_args])
         self.gateway_port = self.gateway_port or free_port()
         self.admin_port = self.admin_port or free_port()
         self.replica_ports = [(free_port(), free_port()) for _ in range(c.replicas - 1)]
@@ -136,7 +171,7 @@ class LocalStack(LoopbackAddresses):
                         "--admin-port", str(admin_port), "--workers",
                         ",".join(self.worker_addresses), "--engine", "sim",
                         "--policy", c.policy, "--scrape-interval", str(c.scrape_interval),
-                        *c.gateway_args]
+                        *events, *c.gateway_args]
                 if bus:
                     args += [*bus, "--replica-id", name]
                 if c.weights:

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from cachepilot.tooling.procs import Processes, http_get
-from cachepilot.tooling.stack import LocalStack, StackConfig, free_port, port_free
+from cachepilot.tooling.stack import (
+    LocalStack,
+    StackConfig,
+    common_port,
+    free_port,
+    loopback_hosts,
+)
 from cachepilot.tooling.vllm.worker import VllmWorkerSpec
 
 
@@ -45,19 +51,6 @@ def missing(venv: Path | None = None) -> str | None:
     except ImportError:
         return "the model's package is not installed: run make vllm-model"
     return None
-
-
-def loopback_hosts(n: int) -> list[str]:
-    return [f"127.0.0.{2 + i}" for i in range(n)]
-
-
-def common_port(hosts: list[str], pair: bool = False, tries: int = 200) -> int:
-    """A port free on every host (and the next one too, with ``pair``)."""
-    for _ in range(tries):
-        p = free_port()
-        if all(port_free(q, h) for h in hosts for q in ((p, p + 1) if pair else (p,))):
-            return p
-    raise OSError(f"no port free on all of {hosts}")
 
 
 @dataclass
