@@ -219,15 +219,42 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
               help="Stream response bodies through the gateway (measured TTFT, cached tokens).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml")
+@click.option("--epp", is_flag=True,
+              help="Envoy in front of an endpoint picker (any EPP, CachePilot's with "
+                   "--protocol epp or auto) as the Gateway API Inference Extension's reference "
+                   "gateway configures it: FULL_DUPLEX_STREAMED, envoy.lb metadata (docs/epp.md).")
+@click.option("--workers", default="",
+              help="With --epp: known workers ip:port,… (override-host cluster reading the "
+                   "EPP's envoy.lb metadata); none: ORIGINAL_DST on the header.")
+@click.option("--subset-from-header", is_flag=True,
+              help="With --epp: a request header x-gateway-destination-endpoint-subset becomes "
+                   "the subset hint (tests; a client can then restrict the endpoints).")
 def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext_proc: str,
                      fail_open: bool, fallback: str, observe_responses: bool,
-                     max_body_bytes: int, fmt: str) -> None:
+                     max_body_bytes: int, fmt: str, epp: bool, workers: str,
+                     subset_from_header: bool) -> None:
     """Print Envoy's bootstrap for CachePilot."""
-    from cachepilot.gateway.envoy_config import EnvoyOptions, render
+    from cachepilot.gateway.envoy_config import EnvoyOptions, EppEnvoyOptions, render, render_epp
 
     host, port = host_port(ext_proc, "--ext-proc")
     for addr in (x for x in fallback.split(",") if x):
         host_port(addr, "--fallback")
+    known = tuple(x.strip() for x in workers.split(",") if x.strip())
+    for addr in known:
+        host_port(addr, "--workers")
+    if (known or subset_from_header) and not epp:
+        raise click.UsageError("--workers and --subset-from-header go with --epp")
+    if epp:
+        try:
+            eopts = EppEnvoyOptions(listen_address=listen_address, listen_port=listen_port,
+                                    admin_port=admin_port, epp_host=host, epp_port=port,
+                                    fail_open=fail_open, workers=known,
+                                    fallback_workers=tuple(x for x in fallback.split(",") if x),
+                                    subset_from_header=subset_from_header)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        sys.stdout.write(render_epp(eopts, fmt))
+        return
     try:
         opts = EnvoyOptions(listen_address=listen_address, listen_port=listen_port,
                             admin_port=admin_port, ext_proc_host=host, ext_proc_port=port,
