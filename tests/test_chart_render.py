@@ -74,7 +74,7 @@ NON_DEFAULT = {
 
 
 def test_lint_is_clean(chart: helm.Chart) -> None:
-    for values in (None, NON_DEFAULT):
+    for values in (None, NON_DEFAULT, {**EPP, "grafana": {"dashboard": {"enabled": True}}}):
         report = helm.lint(CHART, values, strict=True, namespace="serving",
                            kube_version=f"v{K8S_VERSION}")
         assert report["errors"] == []
@@ -306,3 +306,146 @@ def test_replica_sync_can_be_turned_off(chart: helm.Chart) -> None:
     objs = render(chart, {"replicaSync": {"enabled": False}})
     assert not any(k.endswith("-nats") for k in objs)
     assert not any(a.startswith("--replica-") for a in containers(objs)["gateway"]["args"])
+
+
+# ---- CachePilot as an endpoint picker (EPP) of InferencePools ----------------------------
+
+EPP = {"epp": {"enabled": True, "installInferencePoolCRD": True,
+               "inferencePool": {"create": True, "name": "vllm-llama",
+                                 "matchLabels": {"app.kubernetes.io/name": "vllm-llama"},
+                                 "targetPorts": [8000, 8001]}}}
+
+
+def test_epp_render_is_valid_for_kubernetes_and_the_inference_pool_crd(
+        chart: helm.Chart) -> None:
+    from test_inferencepool import validate_inference_pool
+
+    objs = render(chart, EPP)
+    pools = [doc for key, doc in objs.items() if key.startswith("InferencePool/")]
+    assert len(pools) == 1
+    for doc in pools:
+        validate_inference_pool(doc)
+    checked = 0
+    for key, doc in objs.items():
+        if key == "NOTES" or doc["kind"] == "InferencePool":
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 12
+
+
+def test_epp_service_names_what_an_inference_pool_needs(chart: helm.Chart) -> None:
+    from cachepilot.cli.gateway import gateway_cmd
+    from cachepilot.operator import inferencepool as ip
+
+    objs = render(chart, EPP)
+    svc = objs["Service/cp-cachepilot-epp"]
+    assert svc["spec"]["selector"] == objs["Deployment/cp-cachepilot"]["spec"]["selector"][
+        "matchLabels"]
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports["grpc-ext-proc"]["port"] == 9002 and ports["grpc-health"]["port"] == 9003
+    assert {p["targetPort"] for p in ports.values()} == {"ext-proc"}
+    assert {p["appProtocol"] for p in ports.values()} == {"kubernetes.io/h2c"}
+    gateway = containers(objs)["gateway"]
+    assert {"name": "ext-proc", "containerPort": generate.EXT_PROC_PORT,
+            "protocol": "TCP"} in gateway["ports"]
+    args = gateway["args"]
+    # Gateways reach ext_proc over the pod network; the operator watches InferencePools
+    # that name this Service. The flags are the real command's (parsed by click).
+    assert f"--listen=0.0.0.0:{generate.EXT_PROC_PORT}" in args
+    assert "--epp-service=cp-cachepilot-epp" in args
+    ctx = gateway_cmd.make_context("gateway", [a.replace("$(POD_NAMESPACE)", "serving")
+                                               .replace("$(POD_NAME)", "gw-0")
+                                               for a in args[1:]])
+    assert ctx.params["epp_service"] == "cp-cachepilot-epp" and ctx.params["kubernetes"]
+    # The chart's InferencePool points at that Service and port.
+    view = ip.parse(objs["InferencePool/vllm-llama"])
+    assert view.picked_by(svc["metadata"]["name"]) and view.picker.port == 9002
+    assert view.source.ports == (8000, 8001)
+    assert view.picker.failure_mode == "FailClose"
+    # Envoy still runs beside it: both modes route with the same gateway.
+    assert "envoy" in containers(objs)
+
+
+def test_epp_off_by_default_keeps_ext_proc_on_loopback(chart: helm.Chart) -> None:
+    objs = render(chart)
+    assert not any(k.endswith("-epp") or k.startswith("InferencePool/") for k in objs)
+    args = containers(objs)["gateway"]["args"]
+    assert not any(a.startswith("--epp-service") for a in args)
+    assert f"--listen=127.0.0.1:{generate.EXT_PROC_PORT}" in args
+    # epp.enabled alone: the Service and RBAC, no InferencePool and no CRD of ours.
+    objs = render(chart, {"epp": {"enabled": True, "serviceName": "llm-picker"}})
+    assert "Service/llm-picker" in objs
+    assert "--epp-service=llm-picker" in containers(objs)["gateway"]["args"]
+    assert not any(k.startswith("InferencePool/") for k in objs)
+    assert "CustomResourceDefinition/inferencepools.inference.networking.k8s.io" not in objs
+
+
+def test_epp_rbac_adds_exactly_inference_pools(chart: helm.Chart) -> None:
+    def granted(values: dict[str, Any] | None) -> set[tuple[str, str, str]]:
+        rules = render(chart, values)["Role/cp-cachepilot"]["rules"]
+        return {(g, r, v) for rule in rules for g in rule["apiGroups"]
+                for r in rule["resources"] for v in rule["verbs"]}
+
+    assert granted(EPP) - granted(None) == {
+        ("inference.networking.k8s.io", "inferencepools", "list"),
+        ("inference.networking.k8s.io", "inferencepools", "watch")}
+    assert granted(None) <= granted(EPP)
+
+
+def test_vendored_inference_pool_crd_renders_unchanged_plus_labels(chart: helm.Chart) -> None:
+    objs = render(chart, EPP)
+    rendered = objs["CustomResourceDefinition/inferencepools.inference.networking.k8s.io"]
+    assert rendered["metadata"].pop("labels")["app.kubernetes.io/managed-by"] == "Helm"
+    assert rendered == yaml.safe_load((CHART / "files" / "inferencepool-crd.yaml").read_text())
+    kept = render(chart, {**EPP, "crds": {"keep": True}})[
+        "CustomResourceDefinition/inferencepools.inference.networking.k8s.io"]
+    assert kept["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+# ---- Grafana dashboard ---------------------------------------------------------------------
+
+def test_grafana_dashboard_configmap(chart: helm.Chart) -> None:
+    import json
+
+    assert not any(k.endswith("-dashboard") for k in render(chart))
+    objs = render(chart, {"grafana": {"dashboard": {"enabled": True}}})
+    cm = objs["ConfigMap/cp-cachepilot-dashboard"]
+    kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "serving"
+    (text,) = cm["data"].values()
+    source = (CHART / "files" / "grafana-dashboard.json").read_text()
+    assert json.loads(text) == json.loads(source) and json.loads(text)["panels"]
+    custom = render(chart, {"grafana": {"dashboard": {
+        "enabled": True, "labels": {"dashboards": "llm", "grafana_dashboard": None},
+        "namespace": "monitoring",
+        "annotations": {"grafana_folder": "LLM"}}}})["ConfigMap/cp-cachepilot-dashboard"]
+    assert custom["metadata"]["namespace"] == "monitoring"
+    assert custom["metadata"]["labels"]["dashboards"] == "llm"
+    assert "grafana_dashboard" not in custom["metadata"]["labels"]
+    assert custom["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+
+
+@pytest.mark.parametrize("bad", [
+    {"epp": {"enabled": "yes"}},
+    {"epp": {"serviceName": "Picker"}},
+    {"epp": {"port": 0}},
+    {"epp": {"inferencePool": {"targetPorts": list(range(8000, 8009))}}},
+    {"epp": {"inferencePool": {"targetPorts": [8000, 8000]}}},
+    {"epp": {"inferencePool": {"failureMode": "Open"}}},
+    {"epp": {"typo": True}},
+    {"grafana": {"dashboard": {"enabled": True, "labels": {"a": 1}}}},
+    {"grafana": {"dashboards": {}}},
+])
+def test_values_schema_rejects_bad_epp_and_grafana_values(chart: helm.Chart,
+                                                          bad: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema(bad)
+
+
+def test_an_inference_pool_without_labels_is_a_clear_error(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmError, match="matchLabels is required"):
+        chart.render({"epp": {"enabled": True, "inferencePool": {"create": True,
+                                                                 "name": "x"}}},
+                     name="cp", namespace="serving")

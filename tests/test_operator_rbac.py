@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import pytest
 import yaml
+from test_inferencepool import infpool
+from test_operator_inferencepool import (
+    INFPOOLS,
+    cluster,  # noqa: F401  (the fixture, with InferencePools)
+    vllm_pod,
+)
 from test_operator_kmock import (
     NS,
     PODS,
@@ -18,12 +25,13 @@ from test_operator_kmock import (
     Cluster,
     Operator,
     Scraper,
-    cluster,  # noqa: F401  (the fixture)
     eventually,
     pod,
     pool,
     three_pods,
 )
+
+from cachepilot.operator import inferencepool as ip
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "cachepilot"
 DISCOVERY = re.compile(r"^/(api|apis)(/[^/]+){0,2}/?$")
@@ -57,21 +65,35 @@ def pod_lists(c: Cluster) -> list[Any]:
             if r.url.path == PODS and r.url.query.get("watch") not in ("true", "1")]
 
 
-async def test_role_allows_exactly_what_the_operator_does(cluster: Cluster) -> None:  # noqa: F811
-    rendered = helm.Chart.load(CHART).render(None, name="cp", namespace=NS)
+@pytest.mark.parametrize("epp", [False, True], ids=["default", "epp"])
+async def test_role_allows_exactly_what_the_operator_does(cluster: Cluster,  # noqa: F811
+                                                          epp: bool) -> None:
+    values = {"epp": {"enabled": True}} if epp else None
+    rendered = helm.Chart.load(CHART).render(values, name="cp", namespace=NS)
     role = next(d for d in yaml.safe_load_all(rendered["cachepilot/templates/rbac.yaml"])
                 if d["kind"] == "Role")
     lease_name = role["rules"][-1]["resourceNames"][0]
     # The chart creates the Lease; so does this "helm install".
     lease = yaml.safe_load(rendered["cachepilot/templates/lease.yaml"])
     await cluster.create(f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases", lease)
-    options = Operator.default_options(lease_name=lease_name)
+    # The operator gets the EPP Service's name as the chart's Deployment passes it.
+    gateway_args = yaml.safe_load(rendered["cachepilot/templates/deployment.yaml"])[
+        "spec"]["template"]["spec"]["containers"][0]["args"]
+    epp_service = next((a.split("=", 1)[1] for a in gateway_args
+                        if a.startswith("--epp-service=")), None)
+    assert (epp_service is not None) == epp
+    options = Operator.default_options(lease_name=lease_name, epp_service=epp_service)
     test_paths = {("POST", PODS), ("POST", POOLS), ("DELETE", f"{PODS}/w1"),
+                  ("POST", INFPOOLS),
                   ("POST", f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases")}
     await three_pods(cluster)
     async with Operator(cluster, Scraper(), "gw-a", options) as a:
         await cluster.create(POOLS, pool("p"))
         await eventually(lambda: cluster.condition("p")["status"] == "True")
+        if epp:  # an InferencePool naming the chart's EPP Service becomes a pool
+            await cluster.create(PODS, vllm_pod("v1", "10.0.1.1", ports=(8000,)))
+            await cluster.create(INFPOOLS, infpool("llama", picker=epp_service))
+            await eventually(lambda: ip.router_pool_name("llama") in a.router.pools)
         async with Operator(cluster, Scraper(), "gw-b", options):
             await cluster.delete(f"{PODS}/w1")
             await cluster.create(PODS, pod("w4", "10.0.0.4"))

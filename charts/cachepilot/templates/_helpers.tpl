@@ -67,3 +67,7 @@ app.kubernetes.io/component: gateway
 {{- define "cachepilot.natsUrl" -}}
 {{- .Values.replicaSync.natsUrl | default (printf "nats://%s-nats:4222" (include "cachepilot.fullname" .)) -}}
 {{- end }}
+
+{{- define "cachepilot.eppServiceName" -}}
+{{- default (printf "%s-epp" (include "cachepilot.fullname" .)) .Values.epp.serviceName | trunc 63 | trimSuffix "-" }}
+{{- end }}
