@@ -365,6 +365,7 @@ def test_epp_service_names_what_an_inference_pool_needs(chart: helm.Chart) -> No
     assert view.picker.failure_mode == "FailClose"
     # Envoy still runs beside it: both modes route with the same gateway.
     assert "envoy" in containers(objs)
+    assert "name: cp-cachepilot-epp, port: {number: 9002}" in objs["NOTES"]
 
 
 def test_epp_off_by_default_keeps_ext_proc_on_loopback(chart: helm.Chart) -> None:
@@ -449,3 +450,24 @@ def test_an_inference_pool_without_labels_is_a_clear_error(chart: helm.Chart) ->
         chart.render({"epp": {"enabled": True, "inferencePool": {"create": True,
                                                                  "name": "x"}}},
                      name="cp", namespace="serving")
+
+
+def test_the_gateway_can_mount_the_workers_tokenizer(chart: helm.Chart) -> None:
+    """Exact KV-event matching in Kubernetes: the tokenizer from a ConfigMap, and the flags."""
+    objs = render(chart, {"gateway": {
+        "extraArgs": ["--tokenizer=/etc/cachepilot/tokenizer.json", "--vllm-hash-seed=0"],
+        "extraVolumes": [{"name": "tokenizer", "configMap": {"name": "llama-tokenizer"}}],
+        "extraVolumeMounts": [{"name": "tokenizer", "mountPath": "/etc/cachepilot",
+                               "readOnly": True}]}})
+    deployment = objs["Deployment/cp-cachepilot"]
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    gateway = containers(objs)["gateway"]
+    assert {"name": "tokenizer", "mountPath": "/etc/cachepilot", "readOnly": True} in \
+        gateway["volumeMounts"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in gateway["volumeMounts"]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tokenizer"]["configMap"]["name"] == "llama-tokenizer"
+    assert gateway["args"][-2:] == ["--tokenizer=/etc/cachepilot/tokenizer.json",
+                                    "--vllm-hash-seed=0"]
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema({"gateway": {"extraVolumeMounts": [{"name": "x"}]}})
