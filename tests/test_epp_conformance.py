@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
+from google.protobuf import struct_pb2
 
 from cachepilot.conformance import RULES, Report, SuiteConfig, run_suite
 from cachepilot.conformance.suite import MODEL, REWRITE_TARGET
@@ -76,11 +77,23 @@ def test_auto_protocol_takes_plain_ext_proc_streams_as_epp() -> None:
     assert [r.name for r in report.results if not r.passed] == []
 
 
-def test_suite_fails_an_epp_that_ignores_the_subset_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite can fail: an EPP blind to envoy.lb.subset_hint breaks exactly the subset
-    rules (and the ones that steer with a subset), the rest still pass."""
-    monkeypatch.setattr("cachepilot.gateway.epp.subset_hint", lambda msg: None)
-    report = _run("epp", only=("destination_header", "subset_hint_respected",
-                               "subset_none_eligible_503", "bad_body_400"))
-    failed = {r.name for r in report.results if not r.passed}
-    assert failed == {"subset_hint_respected", "subset_none_eligible_503"}
+_SUBSET_RULES = ("destination_header", "subset_hint_respected", "subset_none_eligible_503",
+                 "bad_body_400")
+
+
+@pytest.mark.parametrize(("broken", "with_", "only", "fails"), [
+    # blind to envoy.lb.subset_hint: the subset rules fail, the others pass
+    ("cachepilot.gateway.epp.subset_hint", lambda msg: None, _SUBSET_RULES,
+     {"subset_hint_respected", "subset_none_eligible_503"}),
+    # the destination in the header only, no envoy.lb metadata (then the proxy's served
+    # report contradicts the pick, and our EPP takes the picked worker for unreachable:
+    # the rules after it would fail too, so they are not run here)
+    ("cachepilot.gateway.epp.lb_metadata", lambda target: struct_pb2.Struct(),
+     ("destination_header", "destination_metadata", "bad_body_400"), {"destination_metadata"}),
+], ids=["ignores-subset-hint", "no-lb-metadata"])
+def test_suite_fails_a_broken_epp(monkeypatch: pytest.MonkeyPatch, broken: str, with_: object,
+                                  only: tuple[str, ...], fails: set[str]) -> None:
+    """The suite can fail: a broken EPP fails exactly the rules it breaks."""
+    monkeypatch.setattr(broken, with_)
+    report = _run("epp", only=only)
+    assert {r.name for r in report.results if not r.passed} == fails
