@@ -235,6 +235,11 @@ def status_schema() -> dict[str, Any]:
                         "kvUsage": {"type": "number"},
                         "lastScrape": {"type": "string", "format": "date-time"},
                         "scrapeError": {"type": "string"},
+                        "directoryMode": {
+                            "type": "string", "enum": ["exact", "degraded", "approximate"],
+                            "description": "With kvEvents: whether the directory follows "
+                                           "this worker's KV events (exact), has a hole in "
+                                           "them (degraded) or guesses (approximate)."},
                     },
                 },
             },

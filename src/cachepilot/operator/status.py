@@ -75,6 +75,9 @@ class StatusWriter:
                     line["kvUsage"] = round(w.metrics.kv_usage, 3)
             if w.scrape_error:
                 line["scrapeError"] = w.scrape_error
+            if m.kv_events is not None and pool is not None:
+                # exact / degraded / approximate: how far its KV events are trusted
+                line["directoryMode"] = pool.directory.mode(m.address) or "approximate"
             workers.append(line)
 
         valid = ("True", "Valid", "spec accepted") if ps.error is None else (
