@@ -199,3 +199,22 @@ def test_protocol_choice(protocol: str, ours: bool, epp: bool) -> None:
 
 def test_served_endpoint_absent() -> None:
     assert served_endpoint(headers("", response=True)) is None
+
+
+def test_who_answered_is_recorded() -> None:
+    outcomes: list[dict[str, object]] = []
+
+    class Sink:
+        def decision(self, *_: object, **__: object) -> None:
+            pass
+
+        def outcome(self, decision_id: str, **fields: object) -> None:
+            outcomes.append(fields)
+
+    p = Processor(make_router(models=("m",)), sink=Sink(), clock=lambda: 100.0)
+    s = EppStream(p)
+    s.handle(headers("/v1/completions"))
+    dest = set_headers(s.handle(body(_payload()))[0])[DESTINATION_HEADER]
+    s.handle(_meta(headers("", response=True), LB_METADATA_NAMESPACE, SERVED_KEY, dest))
+    s.handle(body(b"{}", eos=True, response=True))
+    assert outcomes and outcomes[0]["answered_by"] == dest and outcomes[0]["status"] == 200
