@@ -142,11 +142,14 @@ def test_get_models_passes_through_to_a_ready_worker(proc: Processor) -> None:
     assert set_headers(resp)[DESTINATION_HEADER] in WORKERS
 
 
-def test_a_bug_in_routing_costs_one_request_not_the_gateway(proc: Processor,
-                                                             monkeypatch) -> None:
+@pytest.mark.parametrize("protocol", ["cachepilot", "epp"])
+def test_a_bug_in_routing_costs_one_request_not_the_gateway(proc: Processor, monkeypatch,
+                                                             protocol: str) -> None:
     import asyncio
 
     from cachepilot.gateway.service import ExtProcServicer
+
+    proc.options.protocol = protocol  # a stream without gRPC context: either way
 
     def boom(*a, **k):
         raise RuntimeError("bug")
