@@ -177,7 +177,13 @@ async def test_inference_pools_are_not_watched_unless_asked(cluster: Cluster) ->
     await cluster.create(PODS, vllm_pod("v1", "10.0.0.1", ports=(8000,)))
     await cluster.create(INFPOOLS, infpool("llama"))
     async with Operator(cluster, Scraper(), "gw-0", FAST) as op:
-        await holds_for(lambda: not op.router.pools, 0.5, "no pool without --epp-service")
+        body = pool("tuned", inferencePoolRef={"name": "llama"})
+        del body["spec"]["selector"], body["spec"]["port"]
+        await cluster.create(POOLS, body)
+        # A reference cannot resolve, and the condition says why.
+        await eventually(lambda: "--epp-service" in cluster.condition("tuned", "Valid")[
+            "message"])
+        await holds_for(lambda: not op.router.pools, 0.3, "no pool without --epp-service")
     assert not cluster.requests("GET", INFPOOLS)
 
 

@@ -106,8 +106,11 @@ class Reconciler:
     def _with_inference_pool(self, name: str, body: Mapping[str, Any], ref: str) -> PoolConfig:
         known = self.inference_pools.get(ref)
         if known is None:
+            hint = "" if self.epp_service is not None else (
+                " (this gateway does not watch InferencePools: start it with --epp-service, "
+                "or install the chart with epp.enabled=true)")
             raise InvalidSpec("InferencePoolNotFound", f"spec.inferencePoolRef: no InferencePool "
-                              f"{ref!r} in namespace {self.namespace}")
+                              f"{ref!r} in namespace {self.namespace}{hint}")
         if isinstance(known, InvalidSpec):
             raise InvalidSpec("InvalidInferencePool",
                               f"InferencePool {ref!r} is invalid: {known.message}")
