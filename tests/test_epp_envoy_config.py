@@ -80,3 +80,14 @@ def test_cli_epp_option() -> None:
     assert any(f["name"] == "envoy.filters.http.header_to_metadata" for f in _filters(cfg))
     bad = runner.invoke(cli, ["envoy-config", "--workers", "127.0.0.1:8001"])
     assert bad.exit_code != 0 and "--epp" in bad.output
+
+
+def test_our_own_bootstrap_marks_every_stream_as_ours() -> None:
+    """--protocol auto tells our streams from EPP streams by an x-cachepilot-* gRPC metadata
+    key: the routing filter carries one for every path, not only inference routes."""
+    from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
+
+    cfg = build_bootstrap(EnvoyOptions())
+    xp = next(f for f in _filters(cfg) if f["name"] == "envoy.filters.http.ext_proc")
+    keys = [m["key"] for m in xp["typed_config"]["grpc_service"]["initial_metadata"]]
+    assert any(k.startswith("x-cachepilot-") for k in keys)
