@@ -201,7 +201,9 @@ def draw(data: dict[str, Any], out: Path) -> None:
                 for s in t["series"]:
                     xs = [float(v[0]) - start for v in s["values"]]
                     ys = [float(v[1]) for v in s["values"]]
-                    ax.plot(xs, ys, linewidth=1.3, label=legend(t["legendFormat"], s["metric"]))
+                    # the first series widest: one that another overlaps stays visible
+                    ax.plot(xs, ys, linewidth=max(1.0, 2.6 - 0.5 * n),
+                            label=legend(t["legendFormat"], s["metric"]))
                     n += 1
             unit = p["unit"]
             if unit == "percentunit":
@@ -237,6 +239,8 @@ def draw(data: dict[str, Any], out: Path) -> None:
 def _seconds(v: float, _pos: object) -> str:
     if v == 0:
         return "0"
+    if abs(v) < 0.01:
+        return f"{v * 1000:.2g} ms"
     return f"{v * 1000:.0f} ms" if abs(v) < 1 else f"{v:.2g} s"
 
 
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "dashboard-data.json").write_text(json.dumps(data, indent=1))
     png = args.out / "dashboard.png"
     draw(data, png)
-    log(f"wrote {png} and {args.out / 'dashboard-data.json'}")
+    log(f"wrote {png}" + ("" if args.from_data else f" and {args.out / 'dashboard-data.json'}"))
     return 0
 
 
