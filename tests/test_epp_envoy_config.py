@@ -18,7 +18,8 @@ from conftest import have_envoy
 
 
 def _filters(cfg: dict) -> list[dict]:
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm = next(f for f in cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+               if f["name"] == "envoy.filters.network.http_connection_manager")
     return hcm["typed_config"]["http_filters"]
 
 
