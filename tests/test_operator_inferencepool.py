@@ -165,12 +165,14 @@ async def test_a_reference_to_a_missing_inference_pool_is_a_condition(cluster: C
         assert "tuned" not in op.router.pools
         warnings = cluster.events("InferencePoolNotFound")
         assert warnings and warnings[0]["type"] == "Warning"
-        # An invalid InferencePool gets a Warning Event of its own and makes no pool.
-        bad = infpool("dup", ports=(8000, 8000))
-        await cluster.create(INFPOOLS, bad)
+        # An invalid InferencePool of ours gets a Warning Event of its own and makes no pool;
+        # one of another picker's is not ours to report.
+        await cluster.create(INFPOOLS, infpool("theirs", picker="their-epp", ports=(80, 80)))
+        await cluster.create(INFPOOLS, infpool("dup", ports=(8000, 8000)))
         await eventually(lambda: any(e["involvedObject"]["name"] == "dup"
                                      for e in cluster.events("InvalidPort")))
         assert ip.router_pool_name("dup") not in op.router.pools
+        assert [e["involvedObject"]["name"] for e in cluster.events("InvalidPort")] == ["dup"]
 
 
 async def test_inference_pools_are_not_watched_unless_asked(cluster: Cluster) -> None:

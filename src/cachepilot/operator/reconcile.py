@@ -155,7 +155,9 @@ class Reconciler:
             except InvalidSpec as e:
                 previous = self.inference_pools.get(name)
                 self.inference_pools[name] = e
-                if not isinstance(previous, InvalidSpec) or previous.message != e.message:
+                changed = not isinstance(previous, InvalidSpec) or previous.message != e.message
+                if changed and (name in self.claimed() or _picker_name(body) == self.epp_service):
+                    # Only about InferencePools that are ours: others' are their pickers' news.
                     self.events.emit(self._ip_ref(name, uid), "Warning", e.reason, e.message)
                 log.warning("InferencePool %s is invalid: %s", name, e.message)
         for ps in list(self.pools.values()):
@@ -309,3 +311,11 @@ def _reference(ps: PoolState) -> str | None:
     ref = spec.get("inferencePoolRef") if isinstance(spec, Mapping) else None
     name = ref.get("name") if isinstance(ref, Mapping) else None
     return name if isinstance(name, str) and name else None
+
+
+def _picker_name(body: Mapping[str, Any]) -> str | None:
+    """``spec.endpointPickerRef.name`` of a raw InferencePool body, however malformed."""
+    spec = body.get("spec")
+    ref = spec.get("endpointPickerRef") if isinstance(spec, Mapping) else None
+    name = ref.get("name") if isinstance(ref, Mapping) else None
+    return name if isinstance(name, str) else None
