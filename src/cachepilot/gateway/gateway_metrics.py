@@ -27,9 +27,11 @@ from cachepilot.core.directory import MODES
 from cachepilot.core.router import Router
 
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
-# Time to first token, predicted and measured, and the predictor's absolute error (seconds).
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_ERROR_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Time to first token, predicted and measured, and the predictor's absolute error (seconds):
+# vLLM's TTFT buckets from 5 ms to 40 s, fine enough below 100 ms for a warm prefix's quantiles.
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0)
+_ERROR_BUCKETS = _TTFT_BUCKETS
 
 # KV-event stream counters (cachepilot.core.kv_events.StreamCounters, and the hub's count of
 # malformed frames) → (metric name without _total, help).
