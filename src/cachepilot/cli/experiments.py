@@ -262,6 +262,10 @@ def _study_progress() -> Iterator[Progress]:
 @click.option("--seeds", default="1,2,3", show_default=True,
               help="(vllm) Comma-separated: each seed runs round robin and CachePilot on the "
                    "same requests.")
+@click.option("--outside", type=click.FloatRange(0, 1, max_open=True), default=0.0,
+              show_default=True,
+              help="(vllm) Share of requests sent to a random worker behind the directories' "
+                   "backs (another gateway, a client bypassing it); the rest are scored.")
 @click.option("--logs", "log_dir", default="runs/vllm-study", show_default=True,
               type=click.Path(file_okay=False), help="(vllm) Worker logs and the raw JSON.")
 @click.option("--groups", type=click.IntRange(1), default=WORKLOAD.groups,
@@ -272,12 +276,12 @@ def _study_progress() -> Iterator[Progress]:
 @click.option("--slots", type=click.IntRange(1), default=LlamaWorkerSpec.parallel,
               show_default=True, help="llama-server -np per worker (llamacpp).")
 def real_model_cmd(engine: str, as_json: bool, out_dir: str | None, requests: int | None,
-                   rate: float, workers: int, seed: int, seeds: str, log_dir: str,
-                   groups: int, cache_ram_mib: int, slots: int) -> None:
+                   rate: float, workers: int, seed: int, seeds: str, outside: float,
+                   log_dir: str, groups: int, cache_ram_mib: int, slots: int) -> None:
     """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp, or
     on vLLM (round robin vs CachePilot, hit prediction with KV events vs routing-learned)."""
     if engine == "vllm":
-        _real_model_vllm(seeds, requests or _VLLM_REQUESTS, workers,
+        _real_model_vllm(seeds, requests or _VLLM_REQUESTS, workers, outside,
                          out_dir or "docs/results/vllm", log_dir, as_json)
         return
     why = installed()
@@ -300,8 +304,8 @@ def real_model_cmd(engine: str, as_json: bool, out_dir: str | None, requests: in
     _table(result)
 
 
-def _real_model_vllm(seeds: str, requests: int, workers: int, out_dir: str, log_dir: str,
-                     as_json: bool) -> None:
+def _real_model_vllm(seeds: str, requests: int, workers: int, outside: float, out_dir: str,
+                     log_dir: str, as_json: bool) -> None:
     """The vLLM study (tooling/vllm/study.py) and its report (tooling/vllm/report.py)."""
     import asyncio
     import shlex
@@ -318,9 +322,10 @@ def _real_model_vllm(seeds: str, requests: int, workers: int, out_dir: str, log_
     except ValueError:
         raise click.BadParameter(f"{seeds!r}: comma-separated integers",
                                  param_hint="--seeds") from None
-    cfg = VllmStudyConfig(seeds=seed_list, requests=requests, workers=workers)
+    cfg = VllmStudyConfig(seeds=seed_list, requests=requests, workers=workers, outside=outside)
     command = shlex.join(["cachepilot", "experiment", "real-model", "--engine", "vllm",
-                          "--seeds", seeds, "--requests", str(requests), "--out", out_dir])
+                          "--seeds", seeds, "--requests", str(requests),
+                          *(["--outside", f"{outside:g}"] if outside else []), "--out", out_dir])
     echo = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
     try:
         data = asyncio.run(run_vllm_study(cfg, default_venv(), Path(log_dir), echo))

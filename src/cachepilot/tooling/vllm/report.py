@@ -97,7 +97,12 @@ def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any],
          f"with both prefix caches reset (AllBlocksCleared). {cfg['groups']} shared system "
          f"prompts of ~{cfg['prefix_words']} words by Zipf popularity, {cfg['concurrency']} "
          "requests in flight, `max_tokens=1` (latency = TTFT). The policy order rotates by "
-         "seed.", "",
+         "seed." + (f" **Outside traffic**: {cfg['outside']:.0%} of the requests (the same "
+                    "ones, to the same random worker, under both policies) go to a worker "
+                    "behind the directories' backs, as from another gateway or a client "
+                    "bypassing it; neither directory is told (the engines' events still say "
+                    "what they stored and evicted); the other requests are scored."
+                    if cfg.get("outside") else ""), "",
          "**The machine is shared** (2 cores, 5 engineers): timings are noisy. 1-minute load "
          f"average: {data['loadavg_start'][0]:.2f} before the study, "
          f"{data['loadavg_end'][0]:.2f} after, {min(loads):.2f}–{max(loads):.2f} at phase "

@@ -54,6 +54,10 @@ class StudyConfig:
     max_model_len: int = 1024  # vLLM refuses a context longer than its KV cache holds
     concurrency: int = 2
     zipf: float = 1.1
+    # Share of requests sent to a random worker behind the directories' backs (another
+    # gateway replica, a client that bypasses the gateway): neither directory is told; the
+    # engines' events still show what they stored and evicted. Scored: the other requests.
+    outside: float = 0.0
 
 
 @dataclass
@@ -66,7 +70,10 @@ class Sample:
     exact: int  # predicted cached tokens, exact directory
     approx: int  # predicted cached tokens, routing-learned directory
     latency_s: float
-    mode: str
+    mode: str  # the exact directory's mode for the worker when the request was routed
+    index: int = -1  # the request's number in the phase
+    sent_s: float = 0.0  # since the phase's first request
+    queued: int = 0  # the chosen worker's requests in flight when this one was sent
 
 
 def _prompts(cfg: StudyConfig, seed: int) -> list[str]:
@@ -98,6 +105,10 @@ async def _phase(cfg: StudyConfig, policy: str, seed: int, ws: VllmWorkers,
     rr = [0]
     samples: list[Sample] = []
     queue = list(enumerate(_prompts(cfg, seed)))
+    # The same requests go outside (to the same worker) under every policy of a seed.
+    orng = random.Random(seed * 7919 + 1)
+    outside = {i: addrs[orng.randrange(len(addrs))] for i in range(cfg.requests)
+               if orng.random() < cfg.outside}
     async with httpx.AsyncClient(timeout=300) as client:
         for a in addrs:  # cold start: clear every cache (vLLM publishes AllBlocksCleared)
             r = await client.post(f"http://{a}/reset_prefix_cache")
@@ -112,8 +123,15 @@ async def _phase(cfg: StudyConfig, policy: str, seed: int, ws: VllmWorkers,
             if time.monotonic() - t0 > 30:
                 raise RuntimeError("the workers' caches did not clear")
             await asyncio.sleep(0.05)
+        start = time.monotonic()
 
-        async def one(prompt: str) -> None:
+        async def elsewhere(prompt: str, worker: str) -> None:
+            r = await client.post(f"http://{worker}/v1/completions", json={
+                "model": ws.spec.served_name, "prompt": prompt, "max_tokens": 1,
+                "temperature": 0})
+            r.raise_for_status()
+
+        async def one(index: int, prompt: str) -> None:
             ids = tok(prompt)
             hashes = vllm_block_hashes(ids, bs, none_hash)
             m_exact = exact.match(hashes, addrs)
@@ -129,6 +147,7 @@ async def _phase(cfg: StudyConfig, policy: str, seed: int, ws: VllmWorkers,
             pred_approx = _capped(approx.match(hashes, [chosen])[chosen], len(ids), bs)
             approx.insert(chosen, hashes)
             exact.insert(chosen, hashes)  # pending until the engine announces the blocks
+            mode, queued = hub.mode(chosen), inflight[chosen]
             inflight[chosen] += 1
             t0 = time.monotonic()
             r = await client.post(f"http://{chosen}/v1/completions", json={
@@ -140,12 +159,13 @@ async def _phase(cfg: StudyConfig, policy: str, seed: int, ws: VllmWorkers,
             usage = r.json()["usage"]
             samples.append(Sample(policy, seed, chosen, usage["prompt_tokens"],
                                   usage["prompt_tokens_details"]["cached_tokens"] or 0,
-                                  pred_exact, pred_approx, latency, hub.mode(chosen)))
+                                  pred_exact, pred_approx, latency, mode, index,
+                                  round(t0 - start, 3), queued))
 
         async def lane() -> None:
             while queue:
-                _, prompt = queue.pop(0)
-                await one(prompt)
+                i, prompt = queue.pop(0)
+                await (elsewhere(prompt, outside[i]) if i in outside else one(i, prompt))
 
         await asyncio.gather(*(lane() for _ in range(cfg.concurrency)))
     return samples
