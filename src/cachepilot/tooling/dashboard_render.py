@@ -140,6 +140,10 @@ def run_and_query(*, duration_s: float, rate: float, workers: int, seed: int,
             log(f"load done: {summary['requests']} requests, {summary['errors']} errors, "
                 f"TTFT p50 {summary['ttft_p50_s'] * 1000:.0f} ms; querying {len(panels(dash))} "
                 "panels …")
+            # Prometheus' own record of each scrape: 0 where one failed or timed out (1 s)
+            up = prom.query_range(f'up{{job="{prom.job}"}}', start, end, 1.0)
+            missed = sum(v[1] == "0" for s in up for v in s["values"])
+            log(f"scrapes missed (up == 0) over the run: {missed}")
             out_panels = []
             for p in panels(dash):
                 targets = []
@@ -160,6 +164,7 @@ def run_and_query(*, duration_s: float, rate: float, workers: int, seed: int,
                          "worker_kv_blocks": WORKER_KV_BLOCKS,
                          "bad_requests": len(bad)},
             "summary": {k: v for k, v in summary.items() if not isinstance(v, (list, dict))},
+            "scrape_up": up,
             "panels": out_panels}
 
 
