@@ -35,6 +35,11 @@ class Candidate:
     # Not part of this request's TTFT: the delay its prefill adds to later arrivals at that
     # worker (cachepilot.core.cost.congestion_ms_of). The priced policy counts it.
     congestion_ms: float = 0.0
+    # Also for later requests, on slot engines: the expected reused blocks this placement
+    # would make homeless (cachepilot.core.directory.PrefixDirectory.eviction_blocks), and
+    # their prefill in ms. The priced policy counts it.
+    evict_blocks: float = 0.0
+    eviction_ms: float = 0.0
     predicted_ttft_ms: float = 0.0
     value: float = 0.0  # what the policy maximised
     # The worker's state as priced, so replay can rebuild it and call the same decide():

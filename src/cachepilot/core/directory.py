@@ -4,8 +4,10 @@ Entries are inserted when a request is routed (the worker will compute and cache
 and evicted LRU per worker at the worker's capacity in blocks, as a paged engine (vLLM, SGLang)
 would. Slot engines (llama.cpp) keep whole prompts instead, one per slot: a worker put in slot
 mode (:meth:`PrefixDirectory.set_slots`) holds one chain per slot, replaced the way
-llama-server picks a slot. A single hash → worker-bitmask map makes a longest-prefix match one
-dict lookup and one AND per matched block, whatever the number of workers.
+llama-server picks a slot; what a placement there would overwrite is priced by how often
+recent prompts reused it (:meth:`PrefixDirectory.eviction_blocks`). A single hash →
+worker-bitmask map makes a longest-prefix match one dict lookup and one AND per matched
+block, whatever the number of workers.
 
 Exact mode (issue 13): a worker whose engine publishes KV-cache events (vLLM's BlockStored /
 BlockRemoved / AllBlocksCleared) also has an *event set*, the blocks the engine said it holds,
@@ -35,6 +37,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
+
+from cachepilot.core.popularity import BlockPopularity
 
 Mode = Literal["exact", "degraded", "approximate"]
 EXACT: Final = "exact"
@@ -76,6 +80,11 @@ class PrefixDirectory:
         self._event_masks: dict[int, int] = {}  # hash → workers whose events say they hold it
         self._free_bits: list[int] = []
         self._next_bit = 0
+        # Slot engines only: how often placed prompts held each block, and the recorded
+        # eviction values a replay restores (a rebuilt directory has no slots).
+        self.popularity = BlockPopularity()
+        self._slots_total = 0
+        self._restored_evictions: dict[str, float] = {}
 
     # -- membership -------------------------------------------------------------------------
     def add_worker(self, worker: str, capacity: int | None = None) -> None:
@@ -101,6 +110,8 @@ class PrefixDirectory:
             self._clear(h, wb.bit)
         self._drop_events(wb)
         self._free_bits.append(wb.bit.bit_length() - 1)
+        if wb.slots is not None:
+            self._set_slots_total(self._slots_total - len(wb.slots))
 
     def set_capacity(self, worker: str, capacity: int) -> None:
         wb = self._workers[worker]
@@ -117,6 +128,7 @@ class PrefixDirectory:
                           and wb.slot_blocks == slot_blocks):
             return
         slots, slot_blocks = max(1, slots), max(1, slot_blocks)
+        self._set_slots_total(self._slots_total - len(wb.slots or ()) + slots)
         kept = list(wb.slots or [])[-slots:]
         if wb.slots is None and wb.lru:  # from LRU mode: the most recent blocks, one chain
             kept = [tuple(reversed(list(wb.lru)))[:slot_blocks]]
@@ -127,6 +139,13 @@ class PrefixDirectory:
         wb.slots, wb.slot_blocks, wb.capacity = [], slot_blocks, slots * slot_blocks
         for chain in [()] * (slots - len(kept)) + kept:
             self._fill_slot(wb, tuple(chain[:slot_blocks]))
+
+    def _set_slots_total(self, n: int) -> None:
+        # A block's reuse is judged over about as many placements as the pool has slots (a
+        # prompt not overwritten now survives roughly that long), against a count that
+        # remembers a few times longer.
+        self._slots_total = n
+        self.popularity.half_life = max(16.0, 4.0 * n)
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -182,17 +201,8 @@ class PrefixDirectory:
         Which slots are busy is unknown here, so all count as idle."""
         assert wb.slots is not None
         chain = tuple(hashes[:wb.slot_blocks])
-        best, best_sim = 0, 0.0  # index 0: the least recently used slot
-        for i, held in enumerate(wb.slots):
-            common = 0
-            for a, b in zip(held, chain, strict=False):
-                if a != b:
-                    break
-                common += 1
-            sim = common / len(chain) if chain else 0.0
-            if sim > best_sim and sim > self.SLOT_SIMILARITY:
-                best, best_sim = i, sim
-        old = wb.slots.pop(best)
+        self.popularity.note(chain)
+        old = wb.slots.pop(self._pick_slot(wb, chain))
         self._fill_slot(wb, chain)  # first, so blocks both share are never dropped
         for h in old:
             n = wb.refs[h] - 1
@@ -202,6 +212,36 @@ class PrefixDirectory:
                 del wb.refs[h]
                 self._clear(h, wb.bit)
                 wb.evictions += 1
+
+    def _pick_slot(self, wb: _WorkerBlocks, chain: tuple[int, ...]) -> int:
+        assert wb.slots is not None
+        best, best_sim = 0, 0.0  # index 0: the least recently used slot
+        for i, held in enumerate(wb.slots):
+            sim = common_prefix(held, chain) / len(chain) if chain else 0.0
+            if sim > best_sim and sim > self.SLOT_SIMILARITY:
+                best, best_sim = i, sim
+        return best
+
+    def eviction_blocks(self, worker: str, hashes: Sequence[int]) -> float:
+        """What placing this prompt on slot engine ``worker`` would make homeless: the
+        blocks of the slot it overwrites that no other slot or worker holds, each weighted by
+        the chance another prompt soon needs it (:class:`BlockPopularity`). 0 for a paged
+        engine, whose LRU spreads evictions over many prompts' cold tails."""
+        if worker in self._restored_evictions:
+            return self._restored_evictions[worker]
+        wb = self._workers.get(worker)
+        if wb is None or wb.slots is None:
+            return 0.0
+        chain = tuple(hashes[:wb.slot_blocks])
+        old = wb.slots[self._pick_slot(wb, chain)]
+        others, masks, pop = ~wb.bit, self._masks, self.popularity
+        horizon = float(self._slots_total)
+        return sum(pop.reuse_probability(h, horizon) for h in old[common_prefix(old, chain):]
+                   if wb.refs.get(h, 0) <= 1 and not masks.get(h, 0) & others)
+
+    def restore_eviction(self, worker: str, blocks: float) -> None:
+        """Replay: the recorded :meth:`eviction_blocks` of ``worker`` for the next decision."""
+        self._restored_evictions[worker] = blocks
 
     def _fill_slot(self, wb: _WorkerBlocks, chain: tuple[int, ...]) -> None:
         """Append ``chain`` as the most recently used slot."""
@@ -370,6 +410,16 @@ class PrefixDirectory:
 
     def distinct_blocks(self) -> int:
         return len(self._masks.keys() | self._event_masks.keys())
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two chains."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _drop_bit(masks: dict[int, int], h: int, bit: int) -> None:

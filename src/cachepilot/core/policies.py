@@ -82,8 +82,10 @@ class Priced(Policy):
     prefix saves (only uncached tokens are prefilled), the queue ahead, decode interference
     and KV pressure. The congestion term prices what a greedy choice leaves out: recomputing
     a prefix on an idle worker can be as fast for this request as waiting for its holder,
-    but costs the pool a prefill, which every later arrival pays in a burst. Weights scale
-    the prefill, load and KV terms (1.0 everywhere: trust the ms)."""
+    but costs the pool a prefill, which every later arrival pays in a burst. On slot engines
+    (llama.cpp) the eviction term prices what the placement overwrites: a slot holding the
+    last copy of a prompt that later requests share costs them its prefill again. Weights
+    scale the prefill, load and KV terms (1.0 everywhere: trust the ms)."""
 
     name = "priced"
     tie_tolerance = 0.5
@@ -92,7 +94,7 @@ class Priced(Policy):
         w = ctx.weights
         dp, dl, dk = w.prefill - 1.0, w.load - 1.0, w.kv - 1.0
         return [-(c.predicted_ttft_ms + dp * c.prefill_ms + dl * c.queue_ms + dk * c.kv_ms
-                  + c.congestion_ms) for c in cands]
+                  + c.congestion_ms + c.eviction_ms) for c in cands]
 
 
 # The policies a live pool can run: the gateway drives every hook they have. The simulator's

@@ -109,6 +109,7 @@ class Router:
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
             uncached = fp.tokens - matched_tokens
             p = w.ttft or prior
+            evict = pool.directory.eviction_blocks(addr, fp.hashes)
             ahead, queued = ahead_of(load, w, typical, cost)
             backlog_ms = queue_ms(ahead, load.running, queued, p)
             prefill_ms = uncached * p.prefill_ms_per_token
@@ -121,6 +122,8 @@ class Router:
                 prefill_ms=prefill_ms, queue_ms=backlog_ms,
                 kv_ms=kv_pressure_ms(load, fp.blocks - blocks, w, cost),
                 congestion_ms=congestion_ms_of(prefill_ms, lam, backlog_ms, cost),
+                evict_blocks=evict,
+                eviction_ms=evict * fp.block_size * p.prefill_ms_per_token,
                 ready=w.ready, metrics=w.metrics, pending_requests=w.pending_requests,
                 pending_prefill_tokens=w.pending_prefill_tokens,
                 batch_cap_seen=w.batch_cap_seen, ttft_params=w.ttft,

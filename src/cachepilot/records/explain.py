@@ -113,6 +113,8 @@ _ROWS: tuple[tuple[str, Any], ...] = (
     ("predicted TTFT ms", lambda c: _fmt_ms(c["predicted_ttft_ms"])),
     # Not this request's TTFT: the delay its prefill would add to later arrivals there.
     ("congestion ms", lambda c: _fmt_ms(c.get("congestion_ms", 0.0))),
+    # Slot engines: the prefill later requests would redo for what this placement overwrites.
+    ("eviction ms", lambda c: _fmt_ms(c.get("eviction_ms", 0.0))),
     ("value", lambda c: f"{c['value']:.1f}" if c["eligible"] else "–"),
 )
 

@@ -83,6 +83,7 @@ class Replayer:
                 ttft=c.ttft_params)
             pool.directory.add_worker(c.worker)
             pool.directory.insert(c.worker, hashes[:c.matched_blocks])
+            pool.directory.restore_eviction(c.worker, c.evict_blocks)
         self.router.pools = {pool.name: pool}
         return Fingerprint(hashes, record["tokens"], record["block_size"])
 

@@ -36,6 +36,9 @@ class EngineConfig:
     prefill_ms_per_token: float = 0.08
     step_ms: float = 12.0
     decode_ms_per_seq: float = 0.1
+    # 0: a paged engine with a shared block cache (vLLM). N > 0: N slots, each keeping one
+    # prompt's KV in num_blocks / N blocks (llama.cpp; cachepilot.sim.slot_engine).
+    slots: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -216,12 +219,7 @@ class Engine:
 
     def _prefilled(self, req: EngineRequest, end: float, result: StepResult) -> None:
         """Prefill done: register the prompt's computed full blocks; first token is out."""
-        for h in req.hashes[req._new_from:]:
-            if h in self._in_use or h in self._free_cached:
-                continue  # computed concurrently by another request; ours stays plain
-            self._in_use[h] = 1
-            req._held.append(h)
-            req._plain -= 1
+        self._store_prefix(req)
         req.first_token_at = end
         req.output = 1
         result.first_tokens.append(req)
@@ -233,11 +231,22 @@ class Engine:
         heapq.heappush(self._done_heap,
                        (self._step_no + req.max_tokens - 1, self._tiebreak, req))
 
+    def _store_prefix(self, req: EngineRequest) -> None:
+        for h in req.hashes[req._new_from:]:
+            if h in self._in_use or h in self._free_cached:
+                continue  # computed concurrently by another request; ours stays plain
+            self._in_use[h] = 1
+            req._held.append(h)
+            req._plain -= 1
+
     def _finish(self, req: EngineRequest, end: float, result: StepResult) -> None:
         self.decoding.discard(req)
         req.finished_at = end
         self.completed += 1
         result.finished.append(req)
+        self._release(req, end)
+
+    def _release(self, req: EngineRequest, end: float) -> None:
         self._free_empty += req._plain
         req._plain = 0
         # Leaf first, so a shared root is the last of this chain to be reused.

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from cachepilot.core import CostModel, Weights
+from cachepilot.sim.engine import EngineConfig
 from cachepilot.sim.measures import summarize, ttft_sample
 from cachepilot.sim.parallel import process_count, run_tasks
 from cachepilot.sim.simulator import SimConfig, Simulator, ideal_ttfts
 from cachepilot.sim.stats import ci95, paired
-from cachepilot.sim.workloads import WorkloadSpec, generate
+from cachepilot.sim.workloads import Dist, WorkloadSpec, generate
 
 # -- the fixed setup ------------------------------------------------------------------------------
 WORKERS = 3
@@ -47,6 +48,25 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "shared_x2": WorkloadSpec("shared_prefix", rate=RATE, duration=DURATION, groups=96),
     "shared_x4": WorkloadSpec("shared_prefix", rate=RATE, duration=DURATION, groups=192),
 }
+
+# The real-model studies' traffic for two single-slot llama.cpp workers on 2 CPU cores
+# (cachepilot.tooling.llamacpp: "shared" is the real-model experiment's, "hotspot" the
+# real-peers study's second workload), and such a worker in the simulator: one slot, prefill
+# at the ~2.45 ms/token measured on one thread (docs/real-model.md), ~0.1 s of fixed cost
+# per step. The peers study runs them on slot engines, where placement overwrites prompts.
+LLAMA_WORKLOADS: dict[str, WorkloadSpec] = {
+    # Two shared documents of ~550 tokens (~1.7 s cold): two single-slot workers hold both
+    # once partitioned, one holds only one; 15 % of requests bring a one-off document.
+    "shared": WorkloadSpec("shared_prefix", rate=0.4, groups=2, prefix=Dist(550),
+                           suffix=Dist(22), output=Dist(8), p_unique=0.15),
+    # One system prompt, then one of 8 documents by Zipf popularity (a few hot, a long tail
+    # that two one-slot workers cannot all hold); more work per request: a lower rate.
+    "hotspot": WorkloadSpec("hotspot", rate=0.3, system_tokens=60, docs=8,
+                            doc=Dist(480, 0.15, 360, 600), zipf_s=1.1,
+                            question=Dist(22), output=Dist(8)),
+}
+LLAMA_ENGINE = EngineConfig(slots=1, num_blocks=256, prefill_ms_per_token=2.45,
+                            step_ms=100.0, decode_ms_per_seq=5.0, max_batched_tokens=2048)
 
 
 @dataclass(frozen=True)

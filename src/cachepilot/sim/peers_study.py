@@ -21,7 +21,7 @@ import orjson
 
 from cachepilot.core import PoolSpec
 from cachepilot.sim.engine import EngineConfig
-from cachepilot.sim.experiments import STUDY_COST, WORKERS
+from cachepilot.sim.experiments import LLAMA_ENGINE, LLAMA_WORKLOADS, STUDY_COST, WORKERS
 from cachepilot.sim.experiments import WORKLOADS as CLAIM_WORKLOADS
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.parallel import Progress, run_tasks
@@ -39,22 +39,33 @@ MOONCAKE = (Path(__file__).resolve().parents[3].parent / "shared" / "traces"
             / "mooncake_synthetic_trace.jsonl")
 
 
-def workloads(trace: Path | None) -> dict[str, tuple[WorkloadSpec, SimConfig]]:
+# The real-peers study's deployment in the simulator: two one-slot llama.cpp-like workers.
+LLAMA_DURATION_S = 400.0  # 120-160 requests a seed
+
+
+def workloads(trace: Path | None, slots: bool = False
+              ) -> dict[str, tuple[WorkloadSpec, SimConfig]]:
     """Name → (workload, deployment). The Mooncake trace's prompts (15k tokens on average,
     up to 191k) need engines with 262k tokens of KV and eight of them to serve its rate;
-    each seed keeps a quarter of its prefix groups at four times the speed (same load)."""
+    each seed keeps a quarter of its prefix groups at four times the speed (same load).
+    With ``slots``, also the real-peers study's two workloads on two simulated one-slot
+    llama.cpp workers (``llama_shared``, ``llama_hotspot``)."""
     base = SimConfig(workers=WORKERS, cost=STUDY_COST)
     out = {name: (CLAIM_WORKLOADS[name], base) for name in ("shared", "hotspot", "bursty")}
     out["sessions"] = (WorkloadSpec("sessions", rate=8.0, duration=60.0), base)
     if trace is not None:
         out["mooncake"] = (WorkloadSpec("trace", path=str(trace), rate_scale=4.0, sample=0.25),
                            replace(base, workers=8, engine=EngineConfig(num_blocks=16384)))
+    if slots:
+        llama = replace(base, workers=2, engine=LLAMA_ENGINE)
+        for name, spec in LLAMA_WORKLOADS.items():
+            out[f"llama_{name}"] = (spec.with_(duration=LLAMA_DURATION_S), llama)
     return out
 
 
 def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
     name, seed, trace = task
-    spec, cfg = workloads(Path(trace) if trace else None)[name]
+    spec, cfg = workloads(Path(trace) if trace else None, slots=True)[name]
     wl = generate(spec, seed)
     runs = {}
     for p in POLICIES:
@@ -67,10 +78,11 @@ def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
 
 def run_seeded(task: Callable[[tuple[str, int, str]], dict[str, Any]], seeds: int,
                trace: Path | None, processes: int | None,
-               progress: Progress | None) -> tuple[list[dict[str, Any]], float]:
+               progress: Progress | None, slots: bool = False
+               ) -> tuple[list[dict[str, Any]], float]:
     """``task`` on every (workload, seed) of :func:`workloads`, on a process pool: the
     results and the wall time."""
-    names = list(workloads(trace))
+    names = list(workloads(trace, slots))
     # The trace's tasks are the longest: first, so both processes stay busy to the end.
     tasks = [(n, s, str(trace or "")) for n in sorted(names, key=lambda n: n != "mooncake")
              for s in range(seeds)]
@@ -81,11 +93,13 @@ def run_seeded(task: Callable[[tuple[str, int, str]], dict[str, Any]], seeds: in
 
 def run_all(seeds: int, trace: Path | None, processes: int | None = None,
             progress: Progress | None = None) -> dict[str, Any]:
-    results, wall_s = run_seeded(run_task, seeds, trace, processes, progress)
+    results, wall_s = run_seeded(run_task, seeds, trace, processes, progress, slots=True)
     return {"results": results, "seeds": seeds, "wall_s": wall_s,
             "workloads": {n: {"spec": s.to_dict(), "workers": c.workers,
-                              "kv_tokens": c.engine.num_blocks * c.engine.block_size}
-                          for n, (s, c) in workloads(trace).items()}}
+                              "kv_tokens": c.engine.num_blocks * c.engine.block_size,
+                              "slots": c.engine.slots,
+                              "prefill_ms_per_token": c.engine.prefill_ms_per_token}
+                          for n, (s, c) in workloads(trace, slots=True).items()}}
 
 
 def analyse(data: dict[str, Any]) -> dict[str, Any]:
@@ -135,8 +149,10 @@ def report(data: dict[str, Any], stats: dict[str, Any], figs: list[str]) -> str:
         what = (f"trace {Path(spec['path']).name}, ×{spec['rate_scale']:g} speed, "
                 f"{spec['sample']:.0%} of its prefix groups per seed" if spec["kind"] == "trace"
                 else f"{spec['kind']}, {spec['rate']:g} req/s for {spec['duration']:g} s")
-        L += [f"## {name}", "", f"{what}; {w['workers']} workers with "
-              f"{w['kv_tokens']:,} tokens of KV each.", "",
+        kv = (f"{w['kv_tokens']:,} tokens of KV each" if not w.get("slots") else
+              f"{w['slots']} slot(s) of {w['kv_tokens'] // w['slots']:,} tokens each, "
+              f"llama.cpp-like (prefill {w['prefill_ms_per_token']:g} ms/token)")
+        L += [f"## {name}", "", f"{what}; {w['workers']} workers with {kv}.", "",
               "| policy | p50 ms | p90 ms | p99 ms | token hit rate | imbalance | "
               "predictor median \\|error\\| |", "|---|---|---|---|---|---|---|"]
         for p, t in st["table"].items():

@@ -42,6 +42,7 @@ from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.sim.peers import SIM_POLICIES
+from cachepilot.sim.slot_engine import make_engine
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
 
 ARRIVAL, STEP_END, SCRAPE, SYNC = 0, 1, 2, 3
@@ -165,7 +166,7 @@ class Simulator:
         first = self.replicas[0]
         self.pool, self.router, self.predictor = first.pool, first.router, first.predictor
         self.policy = first.pool.policy
-        self.workers = {addr: _Worker(addr, Engine(config.engine)) for addr in addrs}
+        self.workers = {addr: _Worker(addr, make_engine(config.engine)) for addr in addrs}
         self._rng = np.random.default_rng(0)  # replica choice; seeded: runs stay paired
         self._client_replica: dict[str, tuple[int, int]] = {}  # service: (replica, left)
         self.on_decision = on_decision
@@ -185,11 +186,18 @@ class Simulator:
             e = w.engine
             if len(e.waiting) > w.max_waiting:
                 w.max_waiting = len(e.waiting)
-            m = WorkerMetrics(
-                waiting=len(e.waiting), running=e.running, kv_usage=e.kv_usage(),
-                block_size=ecfg.block_size, num_blocks=ecfg.num_blocks,
-                prefix_queries=float(e.prefix_queries), prefix_hits=float(e.prefix_hits),
-                scraped_at=now)
+            if ecfg.slots:  # what llama-server says: no KV gauge; slots and context (/props)
+                m = WorkerMetrics(
+                    waiting=len(e.waiting), running=e.running, slots=ecfg.slots,
+                    slot_tokens=ecfg.num_blocks // ecfg.slots * ecfg.block_size,
+                    prefix_queries=float(e.prefix_queries), prefix_hits=float(e.prefix_hits),
+                    scraped_at=now)
+            else:
+                m = WorkerMetrics(
+                    waiting=len(e.waiting), running=e.running, kv_usage=e.kv_usage(),
+                    block_size=ecfg.block_size, num_blocks=ecfg.num_blocks,
+                    prefix_queries=float(e.prefix_queries), prefix_hits=float(e.prefix_hits),
+                    scraped_at=now)
             for rep in self.replicas:
                 rep.pool.update_metrics(addr, m)
 

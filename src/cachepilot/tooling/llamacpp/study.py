@@ -22,7 +22,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachepilot.records.stats import imbalance
-from cachepilot.sim.workloads import Dist, SimRequest, WorkloadSpec
+from cachepilot.sim.experiments import LLAMA_WORKLOADS
+from cachepilot.sim.workloads import SimRequest, WorkloadSpec
 from cachepilot.tooling.llamacpp import workload as wl
 from cachepilot.tooling.llamacpp.experiment import drive
 from cachepilot.tooling.llamacpp.experiment import summarize as cachepilot_summary
@@ -33,17 +34,9 @@ from cachepilot.tooling.loadgen import Result, run
 from cachepilot.tooling.loadgen import summarize as loadgen_summary
 from cachepilot.tooling.procs import http_get
 
-# Sized for two single-thread workers on 2 cores (a cold ~550-token prefill ≈ 1.7 s):
-# "shared" is the real-model experiment's traffic (2 shared documents, 15 % one-off ones);
-# "hotspot" is the issue's case: one system prompt, then one of 8 documents by Zipf
-# popularity (a few hot, a long tail that two one-slot workers cannot all hold); fewer hits
-# than "shared", so more work per request: a lower rate.
-WORKLOADS: dict[str, WorkloadSpec] = {
-    "shared": wl.WORKLOAD,
-    "hotspot": WorkloadSpec("hotspot", rate=0.3, system_tokens=60, docs=8,
-                            doc=Dist(480, 0.15, 360, 600), zipf_s=1.1,
-                            question=Dist(22), output=Dist(8)),
-}
+# Sized for two single-thread workers on 2 cores (a cold ~550-token prefill ≈ 1.7 s); the
+# specs and why: cachepilot.sim.experiments.LLAMA_WORKLOADS (the peers study simulates them).
+WORKLOADS: dict[str, WorkloadSpec] = dict(LLAMA_WORKLOADS)
 # The peers' default policy each. Round robin and power_of_two (--routers) are left out by
 # default: on this shared 2-core machine a phase takes ~2-3 min, and the study must stay
 # under an hour.

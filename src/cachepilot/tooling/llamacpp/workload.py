@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from cachepilot.sim.workloads import Dist, SimRequest, WorkloadSpec, generate
+from cachepilot.sim.experiments import LLAMA_WORKLOADS
+from cachepilot.sim.workloads import SimRequest, WorkloadSpec, generate
 from cachepilot.tooling.llamacpp.worker import MODEL_NAME
 from cachepilot.tooling.loadgen import chat_body
 
-# Sized for 2 CPU cores: two shared documents of ~550 tokens (~1.7 s cold at one thread):
-# two single-slot workers hold both once they are partitioned, one worker holds only one, so
-# placement decides the hit rate; 15 % of requests bring a one-off document.
-WORKLOAD = WorkloadSpec("shared_prefix", rate=0.4, groups=2, prefix=Dist(550),
-                        suffix=Dist(22), output=Dist(8), p_unique=0.15)
+# Sized for 2 CPU cores (the spec and why: cachepilot.sim.experiments.LLAMA_WORKLOADS).
+WORKLOAD = LLAMA_WORKLOADS["shared"]
 REQUESTS = 60
 SEED = 11
 # Gemma 3's tokenizer on this text: about 5.8 UTF-8 bytes per token (calibration measures it).
