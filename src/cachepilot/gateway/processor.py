@@ -78,6 +78,10 @@ class GatewayOptions:
     # "auto": a stream whose gRPC metadata has an x-cachepilot-* key is ours, others EPP.
     protocol: str = "auto"
 
+    def __post_init__(self) -> None:
+        if self.protocol not in ("auto", "cachepilot", "epp"):
+            raise ValueError(f"protocol is auto, cachepilot or epp, not {self.protocol!r}")
+
 
 class _NoPool:
     def set_down(self, *_: object) -> None:
