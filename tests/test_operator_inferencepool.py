@@ -36,7 +36,6 @@ from cachepilot.operator import KVEventSources, OperatorOptions, run_operator
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.crd import GROUP, KIND, PLURAL, VERSION
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
-from cachepilot.tooling.stack import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,10 +213,11 @@ async def operator_with_kv_hub(cluster: Cluster, options: OperatorOptions
 
 
 async def test_kv_event_publishers_are_followed_as_pods_come_and_go(cluster: Cluster) -> None:
-    port = free_port()
-    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+    pub = KVEventPublisher()  # ports picked by the OS: no race with other tests for them
+    port = int(pub.endpoint.rsplit(":", 1)[1])
+    replay = int(pub.replay_endpoint.rsplit(":", 1)[1])
     annotation = "cachepilot.io/kv-events-port"
-    body = pool("p", kvEvents={"portAnnotation": annotation})
+    body = pool("p", kvEvents={"portAnnotation": annotation, "replayPort": replay})
     try:
         async with operator_with_kv_hub(cluster, FAST) as (router, hub, sources):
             await cluster.create(POOLS, body)
@@ -230,7 +230,7 @@ async def test_kv_event_publishers_are_followed_as_pods_come_and_go(cluster: Clu
             await eventually(lambda: hub.workers() == ["127.0.0.1:8000"])
             ep = sources("p", "127.0.0.1:8000")
             assert (ep.events, ep.replay, ep.topic) == (
-                f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", "kv-events")
+                f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", "kv-events")
             assert sources("p", "127.0.0.2:8000") is None
             # The engine's events reach the pool's directory: exact mode.
             directory = router.pools["p"].directory

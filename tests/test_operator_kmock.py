@@ -179,7 +179,7 @@ class Operator:
         return dataclasses.replace(FAST, **changes)
 
     async def __aenter__(self) -> Operator:
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):  # kopf's start-up, on a loaded machine
             await self.ready.wait()
         return self
 
@@ -297,7 +297,9 @@ async def test_status_is_written_at_a_bounded_rate_with_events(cluster: Cluster)
     await three_pods(cluster)
     async with Operator(cluster, Scraper(), "gw-0") as op:
         await cluster.create(POOLS, pool("p"))
-        await eventually(lambda: cluster.condition("p")["status"] == "True")
+        # Under load the pod watch may deliver the third pod after the pool: wait for it.
+        await eventually(lambda: cluster.condition("p")["status"] == "True"
+                         and cluster.status("p")["workers"] == 3)
         status = cluster.status("p")
         assert status["readyWorkers"] == 3 and status["workers"] == 3
         assert status["staleWorkers"] == 0 and status["observedGeneration"] == 1
