@@ -36,9 +36,9 @@ def test_experiment_lists_both_studies_and_up_both_engines() -> None:
     out = runner.invoke(main, ["experiment", "real-model", "--help"])
     assert out.exit_code == 0 and "--seed" in out.output
     out = runner.invoke(main, ["up", "--help"])
-    assert out.exit_code == 0 and "[sim|llamacpp]" in out.output
-    out = runner.invoke(main, ["up", "--engine", "vllm"])
-    assert out.exit_code == 2 and "'vllm' is not one of" in out.output
+    assert out.exit_code == 0 and "[sim|llamacpp|vllm]" in out.output
+    out = runner.invoke(main, ["up", "--engine", "sglang"])
+    assert out.exit_code == 2 and "'sglang' is not one of" in out.output
 
 
 @pytest.mark.envoy
