@@ -158,8 +158,11 @@ def test_local_stack_with_kv_events_gateway_agrees_with_sim_workers(tmp_path: Pa
         assert sum(g > 0 for _, g in pairs) >= 15
         time.sleep(0.3)
         ws = {w["address"]: w for w in client.get(f"{stack.admin_url}/workers").json()}
-        for addr in stack.worker_addresses:
+        total = 0
+        for addr in stack.worker_addresses:  # the policy may keep one worker idle
             held_now = client.get(f"http://{addr}/debug/kv_blocks").json()["blocks"]
             ev = ws[addr]["kv_events"]
             assert ws[addr]["directory_mode"] == "exact" and ev["holes"] == 0
-            assert ev["event_blocks"] == len(held_now) > 0, (addr, ev, len(held_now))
+            assert ev["event_blocks"] == len(held_now), (addr, ev, len(held_now))
+            total += len(held_now)
+        assert total > 0
