@@ -22,7 +22,7 @@ from xxhash import xxh3_64_intdigest
 
 from cachepilot.core.decision import Candidate, Decision
 from cachepilot.core.lifecycle import Outcome
-from cachepilot.core.policies import LIVE_POLICIES, Context, Policy
+from cachepilot.core.policies import LIVE_POLICIES, Context, Policy, Priced
 
 
 class SGLangCacheAware(Policy):
@@ -245,8 +245,19 @@ class GIEDefault(Policy):
         return out
 
 
+class PricedNoEviction(Priced):
+    """An ablation, not a peer: the default policy without its eviction term (slot engines),
+    to measure what that term buys."""
+
+    name = "priced_no_eviction"
+
+    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
+        return [v + c.eviction_ms for v, c in zip(super().values(cands, ctx), cands,
+                                                   strict=True)]
+
+
 PEERS = (SGLangCacheAware, KubeAICHWBL, PowerOfTwo, DynamoKV, GIEDefault)
 PEER_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({p.name: p for p in PEERS})
-# What the simulator can run: every live policy and the peer models.
+# What the simulator can run: every live policy, the peer models and the ablations.
 SIM_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType(
-    {**LIVE_POLICIES, **PEER_POLICIES})
+    {**LIVE_POLICIES, **PEER_POLICIES, PricedNoEviction.name: PricedNoEviction})

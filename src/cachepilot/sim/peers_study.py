@@ -33,6 +33,8 @@ from cachepilot.sim.workloads import WorkloadSpec, generate
 DEFAULT = PoolSpec().policy
 PEERS = ("sglang_cache_aware", "gie_default", "dynamo_kv", "kubeai_chwbl", "power_of_two")
 POLICIES = (DEFAULT, *PEERS, "round_robin")
+# On slot engines, also the default without its eviction term: what pricing it buys.
+SLOT_ABLATION = "priced_no_eviction"
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
 # Where the project's checkout finds the Mooncake trace (shared/ beside the repository).
 MOONCAKE = (Path(__file__).resolve().parents[3].parent / "shared" / "traces"
@@ -68,7 +70,7 @@ def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
     spec, cfg = workloads(Path(trace) if trace else None, slots=True)[name]
     wl = generate(spec, seed)
     runs = {}
-    for p in POLICIES:
+    for p in (*POLICIES, SLOT_ABLATION) if cfg.engine.slots else POLICIES:
         s = summarize(Simulator(replace(cfg, policy=p)).run(wl))
         runs[p] = {k: s.get(k) for k in (*METRICS, "ttft_mean_s", "token_hit_rate",
                                          "imbalance_assigned", "predictor_rel_error_p50",
@@ -118,9 +120,9 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         table = {p: {k: ci95(vals(p, k)) for k in (*METRICS, "token_hit_rate",
                                                   "imbalance_assigned",
                                                   "predictor_rel_error_p50")}
-                 for p in POLICIES}
+                 for p in rows[0]["runs"]}
         diffs = {p: {k: paired(vals(DEFAULT, k), vals(p, k)) for k in METRICS}
-                 for p in POLICIES if p != DEFAULT}
+                 for p in rows[0]["runs"] if p != DEFAULT}
         out[name] = {"table": table, "vs": diffs}
     return out
 
@@ -142,7 +144,10 @@ def report(data: dict[str, Any], stats: dict[str, Any], figs: list[str]) -> str:
          "modelled from their own code (docs/simulator.md). Each seed draws the workload once "
          "and every policy serves the same requests; a difference is the default's minus the "
          "peer's, mean over seeds with its paired 95% interval, relative to the peer's mean: "
-         "**wins** / **loses** only when the interval excludes zero, n.s. otherwise.", ""]
+         "**wins** / **loses** only when the interval excludes zero, n.s. otherwise. On the "
+         "slot-engine workloads (`llama_*`, llama.cpp-like workers) one more row, "
+         f"`{SLOT_ABLATION}`, is the default without its eviction term: an ablation, not a "
+         "peer.", ""]
     for name, st in stats.items():
         w = data["workloads"][name]
         spec = w["spec"]
