@@ -145,3 +145,22 @@ def test_routed_blocks_count_until_announced_or_aged_out() -> None:
     d.age_pending("w0")  # ... and never the other two: they age out
     assert d.match(A, ["w0"]) == {"w0": 2}
     assert d.modes()["w0"] == {"mode": EXACT, "event_blocks": 2, "pending_blocks": 0}
+
+
+def test_a_late_removal_keeps_a_block_just_routed_there_until_it_ages_out() -> None:
+    # vLLM announces a step's evictions after the step: a removal that arrives after we
+    # routed a request for the block is of the old copy; that request computes it again.
+    d = two_workers()
+    d.set_mode("w0", EXACT)
+    d.stored("w0", A)
+    d.insert("w0", A)  # routed again
+    d.removed("w0", A)
+    assert d.match(A, ["w0"]) == {"w0": 4}
+    d.age_pending("w0")
+    d.age_pending("w0")  # never announced again: gone
+    assert d.match(A, ["w0"]) == {"w0": 0}
+    # A removal of a block not routed this generation is believed at once.
+    d.stored("w0", A)
+    d.age_pending("w0")
+    d.removed("w0", A)
+    assert d.match(A, ["w0"]) == {"w0": 0}

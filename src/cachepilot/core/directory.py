@@ -323,12 +323,17 @@ class PrefixDirectory:
 
     def removed(self, worker: str, hashes: Iterable[int]) -> None:
         """The engine evicted these blocks: gone from the event set and, since the engine
-        says so, from the routing-learned set too."""
+        says so, from the routing-learned set too. Except blocks routed here in the current
+        generation: vLLM announces a step's evictions after the step, so the removal is of
+        the copy before that request, which computes the block again (it stays pending)."""
         wb = self._workers.get(worker)
         if wb is None:
             return
         events, bit = wb.events, wb.bit
         for h in hashes:
+            if wb.pending.get(h) == wb.generation:
+                events.discard(h)
+                continue
             was_pending = wb.pending.pop(h, None) is not None
             if h in events:
                 events.discard(h)
@@ -376,9 +381,7 @@ class PrefixDirectory:
 
     def _add_pending(self, wb: _WorkerBlocks, hashes: Sequence[int]) -> None:
         masks, bit, pending, gen = self._event_masks, wb.bit, wb.pending, wb.generation
-        for h in hashes:
-            if h in wb.events:
-                continue
+        for h in hashes:  # announced blocks too: a late removal must not drop them (removed)
             if h in pending:
                 pending.move_to_end(h)
             else:
