@@ -103,7 +103,7 @@ def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any],
                     "bypassing it; neither directory is told (the engines' events still say "
                     "what they stored and evicted); the other requests are scored."
                     if cfg.get("outside") else ""), "",
-         "**The machine is shared** (2 cores, 5 engineers): timings are noisy. 1-minute load "
+         "**Timings depend on the machine's load** (2 cores; vLLM runs on the CPU). 1-minute load "
          f"average: {data['loadavg_start'][0]:.2f} before the study, "
          f"{data['loadavg_end'][0]:.2f} after, {min(loads):.2f}–{max(loads):.2f} at phase "
          "boundaries.", "",
