@@ -408,7 +408,7 @@ class PrefixDirectory:
     def modes(self) -> dict[str, dict[str, int | str]]:
         """Per worker: its mode and how many blocks its events say it holds."""
         return {w: {"mode": wb.mode, "event_blocks": len(wb.events),
-                    "pending_blocks": len(wb.pending)}
+                    "pending_blocks": len(wb.pending.keys() - wb.events)}
                 for w, wb in self._workers.items()}
 
     def distinct_blocks(self) -> int:
