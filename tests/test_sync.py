@@ -69,6 +69,14 @@ def test_a_peer_placement_counts_as_an_arrival_for_congestion_pricing() -> None:
     rate_a = a.pools["default"].arrival_rate(100.0)
     assert rate_a > 0
     assert b.pools["default"].arrival_rate(100.0) == pytest.approx(rate_a)
+    # A joining replica's catch-up is history: its placements are not arrivals now.
+    c = make_router()
+    sc = ReplicaSync("c")
+    c.add_plugin(sc)
+    for e in sa.snapshot():
+        sc.apply(e, c, 100.0, live=False)
+    assert sc.remote_bookings() == 8  # still in flight at a: booked
+    assert c.pools["default"].arrival_rate(100.0) == 0.0
 
 
 def test_a_heartbeat_ends_bookings_whose_end_was_lost_and_a_silent_replica_is_dropped() -> None:

@@ -179,8 +179,9 @@ class ReplicaSync(Plugin):
         return out
 
     # -- the other replicas' ------------------------------------------------------------------
-    def apply(self, e: SyncEvent, router: Router, now: float) -> None:
-        """Apply another replica's event (this replica's own are ignored)."""
+    def apply(self, e: SyncEvent, router: Router, now: float, live: bool = True) -> None:
+        """Apply another replica's event (this replica's own are ignored). ``live`` off for
+        a catch-up snapshot: its placements are history, not arrivals now."""
         if e.replica == self.replica:
             return
         if isinstance(e, InFlight):
@@ -196,7 +197,8 @@ class ReplicaSync(Plugin):
             pool.directory.insert(e.worker, e.hashes)
             # The pool's arrival rate prices congestion: it must count every replica's
             # arrivals, or each of N replicas sees a burst at 1/N of its rate.
-            pool.note_arrival(now, e.uncached_tokens)
+            if live:
+                pool.note_arrival(now, e.uncached_tokens)
             w.inflight += 1
             w.pending_requests += 1
             w.pending_prefill_tokens += e.uncached_tokens

@@ -121,7 +121,7 @@ class ReplicaBus:
                                reply=inbox)
         await asyncio.sleep(self.catch_up_s)
         await sub.unsubscribe()
-        n = sum(self._apply(data) for data in got)
+        n = sum(self._apply(data, live=False) for data in got)
         self.counters.caught_up_events += n
         if got:
             log.info("replica %s caught up: %d events from %d replicas", self.sync.replica,
@@ -146,7 +146,7 @@ class ReplicaBus:
         self.counters.received += 1
         self._apply(msg.data)
 
-    def _apply(self, data: bytes) -> int:
+    def _apply(self, data: bytes, live: bool = True) -> int:
         try:
             events = decode(data)
         except ValueError:
@@ -154,7 +154,7 @@ class ReplicaBus:
             return 0
         now = self.clock()
         for e in events:
-            self.sync.apply(e, self.router, now)
+            self.sync.apply(e, self.router, now, live)
         return len(events)
 
     async def _flush_loop(self) -> None:
