@@ -259,4 +259,6 @@ async def test_kv_event_publishers_are_followed_as_pods_come_and_go(cluster: Clu
         pub.close()
     warnings = {r.data["reason"] for r in cluster.requests("POST", EVENTS)
                 if r.data["type"] == "Warning"}
-    assert warnings <= {"NoMatchingPods"}, warnings  # the pool came before its pods
+    # The pool came before its pods; on a slow machine a scrape may also fall behind (what
+    # this test checks is the KV-event sources, not scraping).
+    assert warnings <= {"NoMatchingPods", "MetricsStale"}, warnings
