@@ -6,28 +6,19 @@ them unless CACHEPILOT_REQUIRE_VLLM=1 (CI), where a missing or broken vLLM fails
 """
 
 import asyncio
-import os
 import socket
 from pathlib import Path
 
 import httpx
 import pytest
+from vllm_env import SHARED, VENV, prepared_model
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
 from cachepilot.gateway.kv_events import Endpoints, KVEventHub
-from cachepilot.tooling.vllm import install, model
 from cachepilot.tooling.vllm.worker import VllmWorkers, VllmWorkerSpec
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("CACHEPILOT_VLLM_VENV", ROOT / ".venv-vllm"))
-REQUIRE = os.environ.get("CACHEPILOT_REQUIRE_VLLM") == "1"
-
-SHARED = ("You are a careful assistant for a shipping company. Answer in one short sentence. "
-          "Policies: parcels under two kilograms ship for a flat fee; larger parcels are "
-          "priced by weight and distance; fragile items need the red label; returns are "
-          "free within thirty days when the original label is kept. ") * 4
 
 
 def free_port(pair: bool = False) -> int:
@@ -47,17 +38,7 @@ def free_port(pair: bool = False) -> int:
 
 @pytest.fixture(scope="module")
 def hf_model() -> Path:
-    if not install.installed(VENV):
-        if REQUIRE:
-            pytest.fail(f"no usable vLLM venv at {VENV} (make vllm-venv)")
-        pytest.skip(f"no vLLM venv at {VENV}: make vllm-venv")
-    found = model.prepared()
-    if found is None:
-        if REQUIRE:
-            found = model.prepare(VENV)
-        else:
-            pytest.skip("model not prepared: make vllm-model")
-    return found
+    return prepared_model()
 
 
 async def until(cond, timeout: float) -> None:

@@ -17,19 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
+from vllm_env import SHARED, VENV, prepared_model
 
 from cachepilot.cli import main
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
-from cachepilot.tooling.vllm import install, model
+from cachepilot.tooling.vllm import model
 from cachepilot.tooling.vllm.worker import HASH_SEED
-
-ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("CACHEPILOT_VLLM_VENV", ROOT / ".venv-vllm"))
-REQUIRE = os.environ.get("CACHEPILOT_REQUIRE_VLLM") == "1"
-SHARED = ("You are a careful assistant for a shipping company. Answer in one short sentence. "
-          "Policies: parcels under two kilograms ship for a flat fee; larger parcels are "
-          "priced by weight and distance; fragile items need the red label; returns are "
-          "free within thirty days when the original label is kept. ") * 4
 
 
 def test_up_without_the_vllm_venv_is_one_line(tmp_path: Path, monkeypatch) -> None:
@@ -42,13 +35,7 @@ def test_up_without_the_vllm_venv_is_one_line(tmp_path: Path, monkeypatch) -> No
 
 @pytest.mark.slow
 def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
-    if not install.installed(VENV):
-        if REQUIRE:
-            pytest.fail(f"no usable vLLM venv at {VENV} (make vllm-venv)")
-        pytest.skip(f"no vLLM venv at {VENV}: make vllm-venv")
-    hf = model.prepared() or (model.prepare(VENV) if REQUIRE else None)
-    if hf is None:
-        pytest.skip("model not prepared: make vllm-model")
+    hf = prepared_model()
     tok = load_vllm_tokenizer(str(hf / "tokenizer.json"))
     prompts = [SHARED + f"Question {q}: " + "what does a parcel of this kind cost? " * 3
                for q in ("one", "two")]
