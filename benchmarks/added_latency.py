@@ -10,13 +10,15 @@ one run, interleaved request by request (so machine noise lands on every path al
 * ``cachepilot``: Envoy + the gateway, default configuration, with a decision log;
 * optional CachePilot variants (``--variants``): ``before`` (the configuration before issue
   12: STREAMED request body, every response message sent to the gateway and waited for),
-  ``streamed`` (today's, but the request body STREAMED), ``sync-observe`` (today's, but the
-  response answered in turn),
+  ``headers`` (today's, but the routing stream gets a headers message before the body: two
+  round trips, the default until the body-only answer), ``streamed`` (today's, but the
+  request body STREAMED), ``sync-observe`` (today's, but the response answered in turn),
   ``observe-late`` (the observing stream starts at the response headers),
   ``no-observe`` (routing only), ``no-log`` (no decision log), ``uvloop`` (the gateway on
   uvloop's event loop), ``noop`` / ``noop-uvloop`` / ``noop-sync`` (Envoy + a no-op Python
   ext_proc server of its own: grpc.aio, grpc.aio on uvloop, grpcio's thread-pool server:
-  what the mechanism costs before any routing).
+  what the mechanism costs before any routing; ``-headers`` / ``-streamed`` suffixes: with
+  a headers message, with a STREAMED body).
 
 Closed loop (``--loop closed``): one request in flight, the paths in turn. Open loop
 (``--loop open``): ``--rate`` requests/s per path, sent on schedule whatever is in flight.
@@ -57,7 +59,13 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
-from cachepilot.gateway.service import BODY_METADATA, BUFFERED_BODY, DESTINATION_HEADER
+from cachepilot.gateway.protocol import lb_metadata
+from cachepilot.gateway.service import (
+    BODY_METADATA,
+    BODY_ONLY,
+    BUFFERED_BODY,
+    DESTINATION_HEADER,
+)
 from cachepilot.tooling.procs import wait_http_ok
 from cachepilot.tooling.stack import envoy_binary, free_port
 
@@ -80,8 +88,10 @@ def direct_bootstrap(port: int, admin: int, worker: str) -> dict:
 
 class NoopProcessor(ep_grpc.ExternalProcessorServicer):
     """Names the worker without reading anything: what ext_proc costs before any routing.
-    Answers as the gateway does: BUFFERED bodies (headers answered at once, the body's answer
-    routes) or STREAMED ones (the headers answered at the last chunk, then each chunk)."""
+    Answers as the gateway does: body-only (the body is the one message; its answer routes by
+    envoy.lb metadata), BUFFERED bodies after a headers message (headers answered at once,
+    the body's answer routes) or STREAMED ones (the headers answered at the last chunk, then
+    each chunk)."""
 
     def __init__(self, worker: str) -> None:
         self.set = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=[
@@ -89,13 +99,26 @@ class NoopProcessor(ep_grpc.ExternalProcessorServicer):
                 key=DESTINATION_HEADER, raw_value=worker.encode()))]))
         self.cont = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
         self.routed = ep.ProcessingResponse(request_body=ep.BodyResponse(response=self.set))
+        self.by_metadata = ep.ProcessingResponse(
+            request_body=ep.BodyResponse(response=ep.CommonResponse(
+                header_mutation=self.set.header_mutation, clear_route_cache=True)),
+            dynamic_metadata=lb_metadata(worker))
 
     @staticmethod
     def buffered(context) -> bool:  # type: ignore[no-untyped-def]
-        return any(k == BODY_METADATA and v == BUFFERED_BODY
+        return any(k == BODY_METADATA and v in (BUFFERED_BODY, BODY_ONLY)
+                   for k, v in context.invocation_metadata() or ())
+
+    @staticmethod
+    def body_only(context) -> bool:  # type: ignore[no-untyped-def]
+        return any(k == BODY_METADATA and v == BODY_ONLY
                    for k, v in context.invocation_metadata() or ())
 
     async def Process(self, requests, context):  # type: ignore[no-untyped-def]
+        if self.body_only(context):
+            async for _ in requests:
+                yield self.by_metadata
+            return
         buffered = self.buffered(context)
         chunks = 0
         async for msg in requests:
@@ -141,6 +164,10 @@ class SyncNoopProcessor(ep_grpc.ExternalProcessorServicer):
         self.inner = NoopProcessor(worker)
 
     def Process(self, requests, context):  # type: ignore[no-untyped-def]
+        if self.inner.body_only(context):
+            for _ in requests:
+                yield self.inner.by_metadata
+            return
         buffered = self.inner.buffered(context)
         chunks = 0
         for msg in requests:
@@ -247,15 +274,18 @@ def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
         "no-log": ((), {}, {"log": False}), "uvloop": ((), {}, {"uvloop": True}),
         "observe-late": ((), {"observe_request_headers": False}, {}),
         "streamed": ((), {"request_body_mode": "STREAMED"}, {}),
+        "headers": ((), {"send_request_headers": True}, {}),
         "before": ((), {"request_body_mode": "STREAMED", "observe_async": False}, {})}
     for name in ["cachepilot", *variants] if "cachepilot" in paths else variants:
         if name.startswith("noop"):
             nport = free_port()
-            kind = name.removeprefix("noop").strip("-").replace("streamed", "") or "aio"
+            kind = (name.removeprefix("noop").strip("-").replace("streamed", "")
+                    .replace("headers", "").strip("-") or "aio")
             stack.spawn(name, [sys.executable, __file__, "--serve-noop", str(nport), worker,
                                kind])
             body = "STREAMED" if name.endswith("streamed") else "BUFFERED"
-            cfg = build_bootstrap(opts(nport, observe_responses=False, request_body_mode=body))
+            cfg = build_bootstrap(opts(nport, observe_responses=False, request_body_mode=body,
+                                       send_request_headers=name.endswith("headers")))
         else:
             args, kw, how = gateways[name]
             gport, aport = stack.gateway(f"gw-{name}", worker, *args, **how)

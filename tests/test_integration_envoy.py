@@ -221,9 +221,17 @@ def test_decision_headers_reach_the_client_in_both_modes(observe: bool) -> None:
         assert r.headers["x-cachepilot-decision-id"]
 
 
-@pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
-def test_gateway_down(fail_open: bool) -> None:
-    with LocalStack(StackConfig(workers=2, speed=4.0, fail_open=fail_open)) as stack:
+@pytest.mark.parametrize(("fail_open", "envoy"), [
+    (False, {}), (True, {}),
+    # Workers found at run time (Kubernetes): ORIGINAL_DST reads the chosen worker from the
+    # body-only answer's metadata; and the gateway answering a headers message too.
+    (True, {"workers": ()}), (False, {"workers": ()}),
+    (True, {"send_request_headers": True}), (False, {"send_request_headers": True})],
+    ids=["fail-closed", "fail-open", "fail-open-original-dst", "fail-closed-original-dst",
+         "fail-open-headers-message", "fail-closed-headers-message"])
+def test_gateway_down(fail_open: bool, envoy: dict) -> None:
+    with LocalStack(StackConfig(workers=2, speed=4.0, fail_open=fail_open,
+                                envoy=envoy)) as stack:
         body = {"model": MODEL, "prompt": "a shared prefix " * 200, "max_tokens": 2}
         for _ in range(4):  # the gateway's pick is what Envoy uses, not the fallback
             r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
@@ -232,6 +240,10 @@ def test_gateway_down(fail_open: bool) -> None:
             answered = r.headers["x-worker"]  # set by the worker that answered: worker-<i>
             assert picked == stack.worker_addresses[int(answered.split("-")[1])], (
                 picked, answered, r.headers.get("x-cachepilot-decision-id"))
+        if fail_open:  # every request took the picked route, none the round-robin fallback
+            stats = httpx.get(f"http://127.0.0.1:{stack.envoy_admin_port}/stats",
+                              params={"filter": "upstream_rq_total"}, timeout=10).text
+            assert "cluster.cachepilot_fallback.upstream_rq_total: 0" in stats, stats
         stack.kill("gateway")
         r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
         if fail_open:

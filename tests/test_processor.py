@@ -259,3 +259,41 @@ def test_envoys_config_on_the_stream_says_who_releases_the_request(proc) -> None
     proc.handle(ex2, body(raw))
     proc.stream_ended(ex2)
     assert not ex2.done and ex2.decision.id in proc.unobserved
+
+
+def test_a_body_only_stream_routes_by_metadata_in_one_answer(proc) -> None:
+    """The default bootstrap sends the routing stream no headers: the path comes from the
+    route's metadata, the one answer routes through envoy.lb metadata, and the observing
+    stream binds by the decision id Envoy forwards in that metadata."""
+    from cachepilot.gateway.protocol import CHOSEN_KEY, lb_metadata
+
+    ex = Exchange(body_only=True, path="/v1/chat/completions")
+    [out] = proc.handle(ex, body(chat(stream=True), eos=True))
+    d = ex.decision
+    assert out.WhichOneof("response") == "request_body"
+    assert out.request_body.response.clear_route_cache  # the route sees the metadata
+    # Not applied (Envoy sent no headers), but Envoy clears the route cache only for an
+    # answer with a header mutation.
+    assert set_headers(out)[DESTINATION_HEADER] == ex.decision.chosen
+    lb = out.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[DESTINATION_HEADER].string_value.split(",")[0] == d.chosen
+    assert lb[CHOSEN_KEY].string_value == d.chosen and lb[DECISION_HEADER].string_value == d.id
+    assert ex.started == 100.0 and ex.stream
+    proc.stream_ended(ex)
+    # Envoy's observing filter forwards envoy.lb: the request headers carry no decision header.
+    first = headers("/v1/chat/completions")
+    first.metadata_context.filter_metadata["envoy.lb"].CopyFrom(
+        lb_metadata(d.chosen, **{DECISION_HEADER: d.id}).fields["envoy.lb"].struct_value)
+    assert proc.observe(None, first) is ex and ex.observed
+
+
+@pytest.mark.parametrize(("path", "raw", "status"), [
+    ("/v1/chat/completions", b"", 400),
+    ("/v1/chat/completions", chat("x" * 20_000), 413),
+    ("/v1/chat/completions", b"{not json", 400),
+    ("", chat(), 500),  # Envoy's route named no inference path: a config mismatch
+], ids=["empty", "too-large", "bad-json", "no-path"])
+def test_a_body_only_stream_answers_bad_input_with_json(proc, path, raw, status) -> None:
+    [out] = proc.handle(Exchange(body_only=True, path=path), body(raw, eos=True))
+    assert out.immediate_response.status.code == status
+    assert orjson.loads(out.immediate_response.body)["error"]["message"]

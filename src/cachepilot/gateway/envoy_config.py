@@ -1,25 +1,28 @@
 """Envoy's bootstrap, generated: the local stack, the tests and the Helm chart all use this.
 
-Requests pass the ext_proc filter (CachePilot picks a worker and writes its ``ip:port`` into
-``x-gateway-destination-endpoint``), then the workers' cluster connects to that address. The
-gateway answers the request headers at once; Envoy holds them, buffers the body and sends it
-whole (BUFFERED); the answer to the body carries the destination, the fallback list and the
-decision id. A second ext_proc filter in ``observability_mode`` shows the gateway the
-request's decision id and the response (status, first byte and token, cached tokens) without
-Envoy ever waiting for it. Bodies over ``max_body_bytes`` are refused by the route
-(content-length) or by Envoy's buffer limit (chunked), in the gateway's JSON error body.
+Requests pass the ext_proc filter (CachePilot picks a worker and names its ``ip:port`` in
+``envoy.lb`` metadata), then the workers' cluster connects to that address. Envoy buffers the
+body and sends it whole as the routing stream's only message (no headers message: a buffer
+filter holds the headers meanwhile); the answer carries the fallback list, the chosen worker
+and the decision id, one round trip each way (``send_request_headers`` adds the headers
+message back, answered at once, and the destination header). A second ext_proc filter in
+``observability_mode`` shows the gateway the request's decision id and the response (status,
+first byte and token, cached tokens) without Envoy ever waiting for it. Bodies over
+``max_body_bytes`` are refused by the route (content-length) or by Envoy's buffer limit
+(chunked), in the gateway's JSON error body.
 
 * workers known up front (the local stacks): a STATIC cluster with Envoy's override-host
   load balancer, which reads the gateway's ordered list (``envoy.lb`` metadata, as the Gateway
   API Inference Extension's endpoint picker writes it: ``ip:port,ip:port,…``) and walks it on
   retries, so a request that never reached a dead worker goes to the runner-up at once;
-* workers found at run time (Kubernetes): an ORIGINAL_DST cluster on the header alone (it
-  cannot take a list, so a retry goes to the same worker).
+* workers found at run time (Kubernetes): an ORIGINAL_DST cluster on the chosen worker alone
+  (metadata, else the header; it cannot take a list, so a retry goes to the same worker).
 
 Fail-closed: the processor down → 503 + Retry-After. Fail-open: the request goes on
-unprocessed, and a route without the destination header sends it to a round-robin fallback
-cluster. Every reply Envoy makes itself (gateway down, timeouts, unreachable worker, limits)
-is rewritten into the gateway's OpenAI-style JSON error body (:func:`_local_reply_config`).
+unprocessed, and a route without the gateway's destination (metadata, or the header for
+other paths) sends it to a round-robin fallback cluster. Every reply Envoy makes itself
+(gateway down, timeouts, unreachable worker, limits) is rewritten into the gateway's
+OpenAI-style JSON error body (:func:`_local_reply_config`).
 """
 
 from __future__ import annotations
@@ -34,13 +37,17 @@ import yaml
 from cachepilot.core.request import INFERENCE_PATHS
 from cachepilot.gateway.protocol import (
     BODY_METADATA,
+    BODY_ONLY,
     BUFFERED_BODY,
+    CHOSEN_KEY,
     DECISION_HEADER,
+    DECISION_KEY,
     DESTINATION_HEADER,
     ERROR_HEADER,
     LB_METADATA_NAMESPACE,
     OBSERVE_METADATA,
     OBSERVE_ROLE,
+    PATH_METADATA,
     ROLE_METADATA,
     ROUTE_ROLE,
     SERVED_KEY,
@@ -73,6 +80,13 @@ class EnvoyOptions:
     # whole body in one message whose answer routes) or STREAMED (every chunk at once, the
     # headers answered at the last one, then one answer per chunk).
     request_body_mode: str = "BUFFERED"
+    # With a BUFFERED body, whether the routing stream also gets a headers message. Off (the
+    # default): the body is its only message, one round trip each way: the route names the
+    # path in the stream's metadata, a buffer filter holds the headers until the body is
+    # routed, and the destination comes as envoy.lb metadata (a body answer cannot change
+    # headers ext_proc never sent). On: the headers are answered at once, one more round trip
+    # (STREAMED bodies always send them).
+    send_request_headers: bool = False
     # Observe through a second ext_proc filter in observability mode: Envoy sends the response
     # to the gateway and never waits for it (off: the routing stream answers every response
     # message in turn, which the client waits for).
@@ -110,6 +124,11 @@ class EnvoyOptions:
     # gateway and Envoy add (destination, decision id, x-request-id, x-forwarded-proto, …).
     max_request_headers: int = 100
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def body_only(self) -> bool:
+        """The routing stream carries the body alone (see ``send_request_headers``)."""
+        return self.request_body_mode == "BUFFERED" and not self.send_request_headers
 
     @property
     def message_timeout_ms(self) -> int:
@@ -167,17 +186,21 @@ def _breakers(n: int) -> dict[str, Any]:
 
 
 def _picked_or_fallback(o: EnvoyOptions, match: dict[str, Any], to_workers: dict[str, Any],
-                        name: str) -> list[dict[str, Any]]:
-    """Fail-closed: one route to ORIGINAL_DST (no destination header → 503). Fail-open: the
-    gateway's header selects ORIGINAL_DST; without it (gateway down) round-robin fallback."""
+                        name: str, *, by_metadata: bool = False) -> list[dict[str, Any]]:
+    """Fail-closed: one route to the workers (nothing named → 503). Fail-open: the gateway's
+    destination (the header, or envoy.lb metadata ``by_metadata``) selects the workers'
+    cluster; without it (gateway down) round-robin fallback."""
     # Who answered (a retry may have gone to the runner-up): the client and the gateway see it.
     answered = [{"header": {"key": WORKER_HEADER, "value": "%UPSTREAM_HOST%"},
                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     if not o.fail_open:
         return [{"name": name, "match": match, "route": to_workers,
                  "response_headers_to_add": answered}]
-    picked = {**match, "headers": [*match.get("headers", []),
-                                   {"name": DESTINATION_HEADER, "present_match": True}]}
+    picked = ({**match, "dynamic_metadata": [{
+        "filter": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}],
+        "value": {"present_match": True}}]} if by_metadata else
+        {**match, "headers": [*match.get("headers", []),
+                              {"name": DESTINATION_HEADER, "present_match": True}]})
     return [{"name": f"{name}-picked", "match": picked, "route": to_workers,
              "response_headers_to_add": answered},
             {"name": f"{name}-fallback", "match": match,
@@ -260,8 +283,12 @@ def _workers_cluster(o: EnvoyOptions) -> dict[str, Any]:
     if not o.workers:
         return {"name": "cachepilot_workers", "type": "ORIGINAL_DST",
                 "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": f"{o.connect_timeout_s}s",
-                "original_dst_lb_config": {"use_http_header": True,
-                                           "http_header_name": DESTINATION_HEADER},
+                # The chosen worker from a body-only answer's metadata, else the header
+                # (a non-inference request, or a headers answer).
+                "original_dst_lb_config": {
+                    "use_http_header": True, "http_header_name": DESTINATION_HEADER,
+                    "metadata_key": {"key": LB_METADATA_NAMESPACE,
+                                     "path": [{"key": CHOSEN_KEY}]}},
                 "cleanup_interval": "60s", "circuit_breakers": _breakers(o.max_requests)}
     cluster = _static_cluster("cachepilot_workers", [_split(h) for h in o.workers],
                               timeout_s=o.connect_timeout_s)
@@ -306,7 +333,8 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
     sync_observe = o.observe_responses and not o.observe_async
     routing: dict[str, Any] = {
         "processing_mode": {
-            "request_header_mode": "SEND", "request_body_mode": o.request_body_mode,
+            "request_header_mode": "SKIP" if o.body_only else "SEND",
+            "request_body_mode": o.request_body_mode,
             "request_trailer_mode": "SKIP",
             "response_header_mode": "SEND" if sync_observe else "SKIP",
             "response_body_mode": "STREAMED" if sync_observe else "NONE",
@@ -314,7 +342,10 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
     # The gateway learns from the stream how Envoy sends it the body and the response.
     observe = ("off" if not o.observe_responses else "sync" if sync_observe else "async")
     routing["grpc_initial_metadata"] = [{"key": OBSERVE_METADATA, "value": observe}]
-    if o.request_body_mode == "BUFFERED":
+    if o.body_only:
+        routing["grpc_initial_metadata"] += [{"key": BODY_METADATA, "value": BODY_ONLY},
+                                             {"key": PATH_METADATA, "value": path}]
+    elif o.request_body_mode == "BUFFERED":
         routing["grpc_initial_metadata"].append({"key": BODY_METADATA, "value": BUFFERED_BODY})
     per_route: dict[str, Any] = {"envoy.filters.http.ext_proc": {
         "@type": _T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
@@ -344,12 +375,14 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
             {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]},
          "direct_response": _json_reply(405, f"{path} takes POST")},
     ]
-    for r in _picked_or_fallback(o, post, to_workers, path):
+    decision = (f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{DECISION_KEY})%" if o.body_only
+                else f"%REQ({DECISION_HEADER})%")
+    for r in _picked_or_fallback(o, post, to_workers, path, by_metadata=o.body_only):
         r["typed_per_filter_config"] = per_route
         if not sync_observe:  # the gateway answers no response message: Envoy adds it
             r["response_headers_to_add"] = [
                 *r["response_headers_to_add"],
-                {"header": {"key": DECISION_HEADER, "value": f"%REQ({DECISION_HEADER})%"},
+                {"header": {"key": DECISION_HEADER, "value": decision},
                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
         routes.append(r)
     return routes
@@ -372,6 +405,8 @@ def _observe_filter(o: EnvoyOptions) -> dict[str, Any]:
             "stat_prefix": "observe",
             "observability_mode": True,
             "failure_mode_allow": True,
+            # A body-only routing answer's decision id reaches the observing stream here.
+            "metadata_options": {"forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
             "deferred_close_timeout": f"{o.observe_close_timeout_s}s",
             "processing_mode": {
                 "request_header_mode": "SKIP", "request_body_mode": "NONE",
@@ -379,6 +414,16 @@ def _observe_filter(o: EnvoyOptions) -> dict[str, Any]:
                 "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
         },
     }
+
+
+def _hold_headers_filter(o: EnvoyOptions) -> dict[str, Any]:
+    """Body-only routing: ext_proc passes the request headers on at once (it sends it none),
+    so this buffer filter holds them, with the body, until the gateway's answer to the body
+    has set the destination; the router then picks the worker from it. A request without a
+    body passes straight through."""
+    return {"name": "envoy.filters.http.buffer", "typed_config": {
+        "@type": _T + "extensions.filters.http.buffer.v3.Buffer",
+        "max_request_bytes": o.max_body_bytes + 256 * 1024}}
 
 
 def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
@@ -429,6 +474,7 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
             {"name": "inference", "domains": ["*"], "routes": routes}]},
         "http_filters": [
             ext_proc,
+            *([_hold_headers_filter(o)] if o.body_only else []),
             *([_observe_filter(o)] if o.observe_responses and o.observe_async else []),
             {"name": "envoy.filters.http.router", "typed_config": {
                 "@type": _T + "extensions.filters.http.router.v3.Router"}}],

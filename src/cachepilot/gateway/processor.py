@@ -27,7 +27,9 @@ from cachepilot.core.request import RequestError, inference_path, parse_openai_b
 from cachepilot.core.router import Router
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
 from cachepilot.gateway.protocol import (
+    CHOSEN_KEY,
     DECISION_HEADER,
+    DECISION_KEY,
     DESTINATION_HEADER,
     ERROR_HEADER,
     WORKER_HEADER,
@@ -36,6 +38,7 @@ from cachepilot.gateway.protocol import (
     header_value,
     immediate,
     lb_metadata,
+    lb_value,
 )
 from cachepilot.records import NullRecorder
 
@@ -112,6 +115,7 @@ class Exchange:
     sees_response: bool = False  # the routing stream carries the response itself
     handed_over: float = 0.0  # when the routing stream ended, leaving it to the observer
     buffered: bool = False  # the body comes whole, after the headers' (immediate) answer
+    body_only: bool = False  # no headers message: the whole body is the stream's first
     observe: str = ""  # as Envoy's config says on the stream ("async", "sync", "off"), or ""
     answered_by: str | None = None  # the worker that answered, as the proxy reports it
 
@@ -145,6 +149,8 @@ class Processor:
         if kind == "request_headers":
             return self._request_headers(ex, msg.request_headers)
         if kind == "request_body":
+            if ex.body_only:
+                return self._whole_body(ex, msg.request_body)
             return self._request_body(ex, msg.request_body)
         if kind == "response_headers":
             if ex.decision is not None:  # the routing stream carries the response itself
@@ -195,6 +201,39 @@ class Processor:
         if ex.buffered:  # Envoy sends the body once the headers are answered
             return [_CONTINUE_HEADERS]
         return []  # answered with the destination once the body is complete
+
+    def _whole_body(self, ex: Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        """Body-only routing: the stream's one message is the whole body of a POST to
+        ``ex.path`` (Envoy's route matched both and refused over-long declared lengths). The
+        answer routes through envoy.lb metadata; Envoy's buffer filter holds the headers
+        until it comes, and clearing the route cache lets the route see the metadata."""
+        ex.started = self.clock()
+        ex.method, ex.inference = "POST", bool(inference_path(ex.path))
+        if not ex.inference:
+            return [self._error(RequestError(
+                500, f"Envoy's route names no inference path for this body ({ex.path!r}); "
+                     "is its config the gateway's?", code="proxy_config"))]
+        limit = self.options.max_body_bytes
+        if len(msg.body) > limit:
+            return [self._error(RequestError(
+                413, f"request body is {len(msg.body)} bytes; the limit is {limit}",
+                code="body_too_large"))]
+        if not msg.body:
+            return [self._error(RequestError(400, "request body is empty"))]
+        try:
+            decision = self.route(ex, msg.body)
+        except RequestError as err:
+            return [self._error(err)]
+        # Envoy applies no header mutation here (it sent no headers), but its default route
+        # cache action clears the cache only for an answer that has one: this one makes the
+        # route see the metadata (fail-open's picked route).
+        mutation = header_mutation({DESTINATION_HEADER: decision.chosen,
+                                    DECISION_HEADER: decision.id})
+        return [ep.ProcessingResponse(
+            request_body=ep.BodyResponse(response=ep.CommonResponse(
+                header_mutation=mutation, clear_route_cache=True)),
+            dynamic_metadata=lb_metadata(fallback_list(decision), **{
+                DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}))]
 
     def over_limit(self, size: int) -> RequestError | None:
         limit = self.options.max_body_bytes
@@ -314,9 +353,9 @@ class Processor:
         (None: not a routed request, nothing to observe)."""
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            return self._bind(msg.request_headers)
+            return self._bind(msg)
         if ex is None and kind == "response_headers":  # no request headers: bind here
-            ex = self._bind(msg.response_headers)
+            ex = self._bind(msg)
         if ex is None:
             return None
         if kind == "response_headers":
@@ -325,17 +364,21 @@ class Processor:
             self._response_body(ex, msg.response_body)
         return ex
 
-    def _bind(self, msg: ep.HttpHeaders) -> Exchange | None:
-        """The routed exchange whose decision id these headers carry (request headers: set by
-        the routing stream; response headers: added by Envoy's route)."""
-        for h in msg.headers.headers:
-            if h.key == DECISION_HEADER:
-                ex = self.live.get(header_value(h))
-                if ex is not None:
-                    ex.observed = True
-                    self.unobserved.pop(ex.decision.id if ex.decision else "", None)
-                return ex
-        return None
+    def _bind(self, msg: ep.ProcessingRequest) -> Exchange | None:
+        """The routed exchange whose decision id this message carries: in the envoy.lb
+        metadata Envoy forwards (a body-only routing answer set it), else in the headers
+        (request headers: set by the routing stream; response headers: added by the route)."""
+        decision_id = lb_value(msg, DECISION_KEY)
+        if decision_id is None:
+            headers = (msg.request_headers if msg.HasField("request_headers")
+                       else msg.response_headers)
+            decision_id = next((header_value(h) for h in headers.headers.headers
+                                if h.key == DECISION_HEADER), None)
+        ex = None if decision_id is None else self.live.get(decision_id)
+        if ex is not None:
+            ex.observed = True
+            self.unobserved.pop(decision_id, None)
+        return ex
 
     def stream_ended(self, ex: Exchange | None, *, observing: bool = False) -> None:
         """A stream closed. A routing stream hands a routed exchange over to its observing

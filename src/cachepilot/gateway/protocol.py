@@ -50,6 +50,17 @@ OBSERVE_ROLE = "observe"
 ROUTE_ROLE = "route"
 BODY_METADATA = "x-cachepilot-body"
 BUFFERED_BODY = "buffered"
+# The routing stream gets no headers message: its first and only message is the whole body
+# (Envoy's per-route config names the inference path in PATH_METADATA instead), and the
+# answer routes through envoy.lb metadata alone (a body answer cannot change headers that
+# were not sent). One message each way.
+BODY_ONLY = "only"
+PATH_METADATA = "x-cachepilot-path"
+# envoy.lb metadata the body-only answer adds beside the destination list: the decision id
+# (for the observing stream and the response header) and the chosen worker alone (what an
+# ORIGINAL_DST cluster can read: one ip:port, not a list).
+DECISION_KEY = DECISION_HEADER
+CHOSEN_KEY = "x-cachepilot-chosen"
 # How the routing stream's request will be observed, as Envoy's config says: "async" (an
 # observing stream takes it over), "sync" (the routing stream carries the response), "off".
 OBSERVE_METADATA = "x-cachepilot-observe"
@@ -76,10 +87,20 @@ def fallback_list(d: Decision) -> str:
     return ",".join([d.chosen, *(c.worker for c in rest[:FALLBACKS])])
 
 
-def lb_metadata(destinations: str) -> struct_pb2.Struct:
+def lb_metadata(destinations: str, **more: str) -> struct_pb2.Struct:
+    """envoy.lb metadata: the destination list, and ``more`` keys beside it."""
     md = struct_pb2.Struct()
-    md.update({LB_METADATA_NAMESPACE: {DESTINATION_HEADER: destinations}})
+    md.update({LB_METADATA_NAMESPACE: {DESTINATION_HEADER: destinations, **more}})
     return md
+
+
+def lb_value(msg: ep.ProcessingRequest, key: str) -> str | None:
+    """A string Envoy forwarded in the message's envoy.lb metadata, if there."""
+    ns = msg.metadata_context.filter_metadata.get(LB_METADATA_NAMESPACE)
+    if ns is None:
+        return None
+    v = ns.fields.get(key)
+    return v.string_value if v is not None and v.HasField("string_value") else None
 
 
 def immediate(err: RequestError) -> ep.ProcessingResponse:

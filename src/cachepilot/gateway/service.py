@@ -4,23 +4,24 @@ CachePilot's own Envoy config (:mod:`cachepilot.gateway.envoy_config`) opens two
 stream, told apart by the gRPC metadata its per-route config adds (``x-cachepilot-role:
 observe`` on an observing stream):
 
-Routing stream (one per request; Envoy waits for its answers). Request headers → note
-method, path, content length; non-inference requests are answered at once (any ready worker).
-For inference requests the answer waits for the body: Envoy streams it without waiting for
-that answer (``send_body_without_waiting_for_header_response``), so routing costs one round
-trip. At the last body chunk: parse, route, and answer the headers with the destination
-header, the ordered fallback list (``envoy.lb`` metadata) and the decision id (then one empty
-answer per chunk), or answer with a JSON error (ImmediateResponse). With a BUFFERED body
-(metadata ``x-cachepilot-body: buffered``, the default bootstrap) the headers are answered at
-once, Envoy holds them and sends the whole body as one message, and that message's answer
-carries the routing: two messages each way whatever the body's size, where STREAMED answers
-one per chunk, each send a wake-up of the event loop. (Skipping the headers message does not
-work: Envoy then passes the headers on to the router before the body arrives, so the
-destination would come too late.) A routing stream that also carries the response
-(``observe_async`` off in Envoy's config) is understood too.
+Routing stream (one per request; Envoy waits for its answers). By default (metadata
+``x-cachepilot-body: only``) it carries one message, the whole request body: Envoy's route
+matched the method and path (named in ``x-cachepilot-path``) and refused declared lengths
+over the limit, so the gateway parses, routes and answers once, with the ordered fallback
+list, the chosen worker and the decision id in ``envoy.lb`` metadata, or with a JSON error
+(ImmediateResponse). A buffer filter after ext_proc holds the request headers until that
+answer (ext_proc passes on headers it does not send), and the answer clears the route cache,
+so the route and the workers' cluster see the metadata: one message each way. Other
+configurations are understood too: a headers message first (``x-cachepilot-body:
+buffered``: the headers answered at once, the body's answer routes with the destination
+header as well: two round trips), a STREAMED body (the headers answered at the last chunk,
+then one answer per chunk), and a routing stream that also carries the response
+(``observe_async`` off in Envoy's config). Non-inference requests (GET /v1/models, /health)
+send their headers, answered at once with any ready worker.
 
 Observing stream (``observability_mode``: Envoy sends and never waits, so observation costs
-the client nothing). The request headers carry the decision id the routing stream set; then
+the client nothing). The request headers come with the decision id the routing stream set
+(forwarded ``envoy.lb`` metadata, or a header in the headers-message configuration); then
 response headers (status, who answered: failover, first byte) and response body chunks
 (first token time, the worker's cached-token count). Only a 2xx answer from the chosen worker
 is model output: an error, or an answer from the runner-up Envoy failed over to, never counts
@@ -53,6 +54,7 @@ from cachepilot.gateway.processor import (
 )
 from cachepilot.gateway.protocol import (
     BODY_METADATA,
+    BODY_ONLY,
     BUFFERED_BODY,
     DECISION_HEADER,
     DESTINATION_HEADER,
@@ -62,6 +64,7 @@ from cachepilot.gateway.protocol import (
     METADATA_PREFIX,
     OBSERVE_METADATA,
     OBSERVE_ROLE,
+    PATH_METADATA,
     ROLE_METADATA,
     ROUTE_ROLE,
     WORKER_HEADER,
@@ -81,10 +84,10 @@ __all__ = [
 ]
 
 
-def _stream_kind(context: grpc.aio.ServicerContext | None) -> tuple[str, bool, str, bool]:
-    """(role, body buffered, observation, ours) from the metadata Envoy's per-route config
-    adds to a stream; ``ours``: it has an x-cachepilot-* key."""
-    role, buffered, observe, ours = "", False, "", False
+def _stream_kind(context: grpc.aio.ServicerContext | None) -> tuple[str, bool, Exchange]:
+    """(role, ours, the stream's Exchange) from the metadata Envoy's per-route config adds to
+    a stream; ``ours``: it has an x-cachepilot-* key."""
+    role, ours, ex = "", False, Exchange()
     if context is not None:
         for key, value in context.invocation_metadata() or ():
             if key.startswith(METADATA_PREFIX):
@@ -92,10 +95,13 @@ def _stream_kind(context: grpc.aio.ServicerContext | None) -> tuple[str, bool, s
             if key == ROLE_METADATA:
                 role = value
             elif key == BODY_METADATA:
-                buffered = value == BUFFERED_BODY
+                ex.buffered = value == BUFFERED_BODY
+                ex.body_only = value == BODY_ONLY
             elif key == OBSERVE_METADATA:
-                observe = value
-    return role, buffered, observe, ours
+                ex.observe = value
+            elif key == PATH_METADATA:
+                ex.path = value
+    return role, ours, ex
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
@@ -110,7 +116,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
-        role, buffered, observe, ours = _stream_kind(context)
+        role, ours, ex = _stream_kind(context)
         if self._epp(ours):
             async for resp in self._epp_stream(request_iterator):
                 yield resp
@@ -118,7 +124,6 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         if role == OBSERVE_ROLE:
             await self._observe(request_iterator)
             return
-        ex = Exchange(buffered=buffered, observe=observe)
         try:
             async for msg in request_iterator:
                 try:

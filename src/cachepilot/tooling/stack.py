@@ -185,20 +185,22 @@ class LocalStack(LoopbackAddresses):
                                      spare_flag="--standby" if c.gateway_spare else None)
         self.envoy_port = c.port or free_port()
         self.envoy_admin_port = free_port()
-        opts = EnvoyOptions(listen_address="127.0.0.1", listen_port=self.envoy_port,
-                            admin_port=self.envoy_admin_port, ext_proc_port=self.gateway_port,
-                            ext_proc_more_ports=tuple(p for p, _ in self.replica_ports),
-                            fail_open=c.fail_open,
-                            fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
-                            workers=tuple(self.worker_addresses),
-                            first_byte_timeout_s=c.first_byte_timeout_s,
-                            observe_responses=c.observe_responses,
-                            max_body_bytes=c.max_body_bytes,
-                            # Several replicas behind this one Envoy: the observing ext_proc
-                            # stream is balanced on its own and may reach a replica that did not
-                            # route the request, so the routing stream carries the response.
-                            # (In the chart each pod's Envoy has its own gateway.)
-                            **(({"observe_async": False} if c.replicas > 1 else {}) | c.envoy))
+        envoy: dict[str, Any] = dict(
+            listen_address="127.0.0.1", listen_port=self.envoy_port,
+            admin_port=self.envoy_admin_port, ext_proc_port=self.gateway_port,
+            ext_proc_more_ports=tuple(p for p, _ in self.replica_ports),
+            fail_open=c.fail_open,
+            fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
+            workers=tuple(self.worker_addresses),
+            first_byte_timeout_s=c.first_byte_timeout_s,
+            observe_responses=c.observe_responses, max_body_bytes=c.max_body_bytes)
+        if c.replicas > 1:
+            # Several replicas behind this one Envoy: the observing ext_proc stream is
+            # balanced on its own and may reach a replica that did not route the request, so
+            # the routing stream carries the response. (In the chart each pod's Envoy has its
+            # own gateway.)
+            envoy["observe_async"] = False
+        opts = EnvoyOptions(**(envoy | c.envoy))
         cfg_path = self.log_dir / "envoy.yaml"
         cfg_path.write_text(render(opts))
         self.processes.spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
