@@ -1,11 +1,11 @@
 """Requests per second one gateway process sustains: its ext_proc service driven directly by a
 gRPC load driver shaped like Envoy, without Envoy in the way.
 
-Each request is what Envoy sends with the default bootstrap: a routing stream (request
-headers, answered at once, then the whole body, whose answer routes: the latency measured,
-from the headers to that answer) and, once
-answered, an observing stream (request headers with the decision id, response headers, the
-response body with its usage), which Envoy never waits for. The workers are fake: one
+Each request is what Envoy sends with the default bootstrap: a routing stream (the whole body
+as its one message, whose answer routes: the latency measured, from sending the body to that
+answer) and, once answered, an observing stream (request headers with the decision id in
+envoy.lb metadata, response headers, the response body with its usage), which Envoy never
+waits for. The workers are fake: one
 process answers every worker's ``/metrics`` with a fixed, idle vLLM exposition, so the
 gateway scrapes and prices them as it would real ones (at its default scrape interval).
 
@@ -47,11 +47,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from rich.console import Console
 from rich.table import Table
 
-from cachepilot.gateway.service import (
+from cachepilot.gateway.protocol import (
     BODY_METADATA,
-    BUFFERED_BODY,
-    DECISION_HEADER,
+    BODY_ONLY,
+    CHOSEN_KEY,
+    LB_METADATA_NAMESPACE,
+    OBSERVE_METADATA,
     OBSERVE_ROLE,
+    PATH_METADATA,
     ROLE_METADATA,
     WORKER_HEADER,
 )
@@ -106,42 +109,40 @@ class Driver:
         self.pending: set[asyncio.Task[None]] = set()
 
     async def one(self, body: bytes) -> tuple[float, bool]:
-        """Route one request as Envoy does with the default bootstrap (BUFFERED body: the
-        headers answered at once, the body's answer routes); returns (ms until the routing
-        answer, ok)."""
+        """Route one request as Envoy does with the default bootstrap (body-only: the whole
+        body is the stream's one message, its answer routes and the gateway ends the stream);
+        returns (ms until the routing answer, ok)."""
         self.i += 1
         stub = self.stubs[self.i % len(self.stubs)]
         t0 = time.perf_counter()
-        call = stub.Process(metadata=((BODY_METADATA, BUFFERED_BODY),))
-        await call.write(ep.ProcessingRequest(request_headers=hm({
-            ":path": "/v1/completions", ":method": "POST", ":authority": "gw",
-            "content-type": "application/json", "content-length": str(len(body))})))
-        cont = await call.read()
-        ok = cont is not grpc.aio.EOF and cont.HasField("request_headers")
-        routed = None
-        if ok:
-            await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(
-                body=body, end_of_stream=True)))
-            routed = await call.read()
-            ok = routed is not grpc.aio.EOF and routed.HasField("request_body")
+        call = stub.Process(metadata=((BODY_METADATA, BODY_ONLY),
+                                      (PATH_METADATA, "/v1/completions"),
+                                      (OBSERVE_METADATA, "async" if self.observe else "off")))
+        await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(
+            body=body, end_of_stream=True)))
+        routed = await call.read()
+        ok = routed is not grpc.aio.EOF and routed.HasField("request_body")
         ms = (time.perf_counter() - t0) * 1000
         await call.done_writing()
         while await call.read() is not grpc.aio.EOF:  # the end
             pass
         if ok and self.observe:
-            mut = routed.request_body.response.header_mutation.set_headers  # type: ignore[union-attr]
-            hdrs = {h.header.key: h.header.raw_value.decode() for h in mut}
-            t = asyncio.create_task(self._observe(stub, hdrs))
+            lb = routed.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value  # type: ignore[union-attr]
+            t = asyncio.create_task(self._observe(stub, lb))
             self.pending.add(t)
             t.add_done_callback(self.pending.discard)
         return ms, ok
 
-    async def _observe(self, stub: Any, hdrs: dict[str, str]) -> None:
+    async def _observe(self, stub: Any, lb: Any) -> None:
+        """The observing stream: request headers with the routing answer's envoy.lb metadata
+        (as Envoy's observing filter forwards it), response headers and body."""
         call = stub.Process(metadata=((ROLE_METADATA, OBSERVE_ROLE),))
-        await call.write(ep.ProcessingRequest(request_headers=hm({
-            ":path": "/v1/completions", DECISION_HEADER: hdrs.get(DECISION_HEADER, "")})))
+        first = ep.ProcessingRequest(request_headers=hm({":path": "/v1/completions"}))
+        first.metadata_context.filter_metadata[LB_METADATA_NAMESPACE].CopyFrom(lb)
+        await call.write(first)
+        chosen = lb.fields[CHOSEN_KEY].string_value
         await call.write(ep.ProcessingRequest(response_headers=hm({
-            ":status": "200", WORKER_HEADER: hdrs.get("x-gateway-destination-endpoint", "")})))
+            ":status": "200", WORKER_HEADER: chosen})))
         await call.write(ep.ProcessingRequest(response_body=ep.HttpBody(
             body=USAGE, end_of_stream=True)))
         await call.done_writing()

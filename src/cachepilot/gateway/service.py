@@ -124,6 +124,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         if role == OBSERVE_ROLE:
             await self._observe(request_iterator)
             return
+        # A body-only stream whose response goes elsewhere (an observing stream, or nowhere)
+        # is done once its one message is answered: end it then, rather than wake again for
+        # Envoy's close at the request's end (Envoy ignores a stream its server closed).
+        done_after_answer = ex.body_only and ex.observe != "sync"
         try:
             async for msg in request_iterator:
                 try:
@@ -135,6 +139,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     log.exception("ext_proc message failed")
                     yield immediate(RequestError(500, "internal routing error",
                                                  code="internal_error"))
+                if done_after_answer:
+                    return
         finally:
             self.processor.stream_ended(ex)
 
