@@ -63,6 +63,10 @@ def test_shape_of_the_bootstrap() -> None:
         {"key": "x-cachepilot-body", "value": "only"},
         {"key": "x-cachepilot-path", "value": "/v1/chat/completions"}]
     assert chat["match"]["dynamic_metadata"][0]["filter"] == "envoy.lb"
+    # Envoy names the upstream in the request's header too, from the gateway's metadata.
+    assert chat["request_headers_to_add"][0]["header"] == {
+        "key": "x-gateway-destination-endpoint",
+        "value": "%DYNAMIC_METADATA(envoy.lb:x-cachepilot-chosen)%"}
     assert clusters["cachepilot_workers"]["original_dst_lb_config"]["metadata_key"] == {
         "key": "envoy.lb", "path": [{"key": "x-cachepilot-chosen"}]}
     observe = chat["typed_per_filter_config"]["cachepilot.observe"]["overrides"]

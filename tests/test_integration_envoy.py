@@ -240,6 +240,8 @@ def test_gateway_down(fail_open: bool, envoy: dict) -> None:
             answered = r.headers["x-worker"]  # set by the worker that answered: worker-<i>
             assert picked == stack.worker_addresses[int(answered.split("-")[1])], (
                 picked, answered, r.headers.get("x-cachepilot-decision-id"))
+            # The worker got the gateway's choice in the destination header.
+            assert r.headers["x-worker-routed-as"] == picked
         if fail_open:  # every request took the picked route, none the round-robin fallback
             stats = httpx.get(f"http://127.0.0.1:{stack.envoy_admin_port}/stats",
                               params={"filter": "upstream_rq_total"}, timeout=10).text

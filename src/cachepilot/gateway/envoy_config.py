@@ -379,6 +379,11 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
                 else f"%REQ({DECISION_HEADER})%")
     for r in _picked_or_fallback(o, post, to_workers, path, by_metadata=o.body_only):
         r["typed_per_filter_config"] = per_route
+        if o.body_only:  # the worker sees the gateway's choice in headers, as it always did
+            r["request_headers_to_add"] = [
+                {"header": {"key": k, "value": f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{v})%"},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                for k, v in ((DESTINATION_HEADER, CHOSEN_KEY), (DECISION_HEADER, DECISION_KEY))]
         if not sync_observe:  # the gateway answers no response message: Envoy adds it
             r["response_headers_to_add"] = [
                 *r["response_headers_to_add"],

@@ -24,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
 from cachepilot.core.request import CHAT_PATH, COMPLETIONS_PATH, RequestError, parse_openai_body
+from cachepilot.gateway.protocol import DESTINATION_HEADER
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.tooling.kv_event_publisher import EngineTap, KVEventPublisher
 
@@ -195,8 +196,12 @@ def make_app(cfg: WorkerConfig, kv_events: tuple[str, str | None] | None = None
             body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": cfg.model, "choices": [choice],
                     "usage": _usage(ereq)}
+            # Who answered, and where the proxy said it routed the request (debugging, tests).
+            seen = {"x-worker": cfg.name}
+            if DESTINATION_HEADER in request.headers:
+                seen["x-worker-routed-as"] = request.headers[DESTINATION_HEADER]
             return web.Response(body=orjson.dumps(body), content_type="application/json",
-                                headers={"x-worker": cfg.name})
+                                headers=seen)
         finally:
             worker.forget(ereq)
 
