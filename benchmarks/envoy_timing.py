@@ -8,8 +8,9 @@ one request in flight sends ``--requests`` non-streamed requests per prompt size
 * client: end to end, as the client saw it;
 * envoy: Envoy's ``%DURATION%`` (first request byte in to last response byte out);
 * ext_proc headers / body: from Envoy sending that message to the gateway until its answer
-  (default, BUFFERED: the headers answered at once, then the whole body, whose answer
-  routes): what the ext_proc round trips cost the request, as Envoy sees them;
+  (default, body-only: no headers message, the whole body is the one message and its
+  answer routes; ``send_request_headers``: the headers answered at once first): what the
+  ext_proc round trips cost the request, as Envoy sees them;
 * routing CPU: the gateway's own ``cachepilot_decision_latency_seconds`` (parse, fingerprint,
   match, price, book), its mean over the run;
 * upstream: ``x-envoy-upstream-service-time`` (Envoy to the worker and back).
@@ -171,9 +172,10 @@ def show(console: Console, rows: list) -> None:
                       f"{np.median(chunks):.0f}" if len(chunks) else "–")
     console.print(table)
     console.print("ext_proc headers / body: from Envoy sending that message to the gateway's "
-                  "answer (BUFFERED: the headers are answered at once, the body's answer "
-                  "routes; STREAMED: the headers' answer comes once the body is in, and each "
-                  "chunk is answered after it). gRPC + wake-ups: both, less the routing CPU.")
+                  "answer (default: the body alone, its answer routes; with a headers "
+                  "message, it is answered at once first; STREAMED: the headers' answer comes "
+                  "once the body is in, and each chunk is answered after it). gRPC + "
+                  "wake-ups: both, less the routing CPU.")
 
 
 if __name__ == "__main__":
