@@ -215,3 +215,17 @@ def test_a_recompute_on_a_backlogged_worker_is_priced_for_everyone_behind_it() -
     assert decide(0)[0] != WORKERS[0]  # an idle worker: recomputing there is cheap for all
     chosen, holder_fastest = decide(2)
     assert chosen == WORKERS[0] and not holder_fastest
+
+
+def test_a_busy_slot_is_a_full_batch_and_a_newcomer_queues_for_it() -> None:
+    """llama.cpp says how many slots it has: with every slot running, a request waits for
+    one to free up (admission, priced per queued request), not just for a prefill."""
+    r = make_router()
+    pool = r.pools["default"]
+    for w in WORKERS:
+        pool.update_metrics(w, WorkerMetrics(waiting=0, running=1 if w == WORKERS[0] else 0,
+                                             slots=1, scraped_at=100.0))
+    d = r.decide(pool, "m", r.fingerprint(req("a"), pool), 100.0, "d")
+    queued = {c.worker: c.queued for c in d.candidates}
+    assert queued[WORKERS[0]] == 1 and all(queued[w] == 0 for w in WORKERS[1:])
+    assert d.chosen != WORKERS[0]

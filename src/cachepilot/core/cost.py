@@ -148,7 +148,9 @@ def ahead_of(load: Load, worker: WorkerState, typical_uncached: float,
     # Only a configured batch size says the batch is full: the size learned from scrapes
     # (batch_cap_seen) is often lower, since engines with chunked prefill queue requests for
     # the token budget long before every batch slot is taken.
-    full = bool(cost.max_batch) and load.running >= cost.max_batch
+    # A slot engine says its batch size (llama.cpp's slots): a busy slot is a full batch.
+    cap = cost.max_batch or (0 if m is None else m.slots or 0)
+    full = bool(cap) and load.running >= cap
     return ahead, load.waiting + full
 
 

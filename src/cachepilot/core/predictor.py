@@ -9,12 +9,17 @@ with θ = (base ms, prefill ms/token, ms per running sequence, ms per unseen que
 starting from the cost model's prior. :class:`TTFTPredictor` is a lifecycle plugin
 (:mod:`cachepilot.core.lifecycle`): ``on_routed`` keeps the chosen worker's features,
 ``on_first_token`` fits them to the measured TTFT, ``on_finish`` drops a request that never
-produced one. The fit is **least squares with an intercept**, one per worker, over its last
-``memory`` observations (hardware and load drift), each weighted by **Huber's** rule so a
-residual beyond ``huber_k`` robust scales (a GC pause, a network stall, a cold start) counts
-linearly, not quadratically (:class:`WorkerFit`). The intercept absorbs what the features
-leave out (HTTP, Envoy, tokenisation, the step in progress), so the slopes stay unbiased.
-Parameters are bounded, and written into the worker's
+produced one. The fit is **weighted least squares with an intercept**, one per worker, over
+its last ``memory`` observations (hardware and load drift). Each observation weighs the inverse
+of its TTFT (a TTFT's noise grows with it: equal weights let a burst's few second-long waits
+set the model of every 30 ms request after them), times **Huber's** weight so a residual
+beyond ``huber_k`` robust scales (a GC pause, a network stall, a cold start) counts linearly,
+not quadratically (:class:`WorkerFit`). Each worker's prior is its pool's fit (every worker's
+observations) once that is warm, loosely (``pool_spread``): identical workers do not drift
+apart on noise, a worker with a different GPU soon overrules it, and a worker with no
+observations yet starts from the pool's model instead of the cost model's prior. The
+intercept absorbs what the features leave out (HTTP, Envoy, tokenisation, the step in
+progress), so the slopes stay unbiased. Parameters are bounded, and written into the worker's
 :attr:`~cachepilot.core.workers.WorkerState.ttft` after ``warmup`` observations; a direction
 the data never excite (a worker that never queues) keeps its prior.
 
@@ -53,11 +58,24 @@ class PredictorConfig:
     upper: tuple[float, ...] = (10_000.0, 5.0, 100.0, 10_000.0)
     memory: int = 400  # observations per worker the fit uses (older ones age out)
     refit_every: int = 16  # observations between refits (a refit is ~0.2 ms of numpy)
-    huber_k: float = 2.0  # residuals beyond k robust scales are down-weighted
+    huber_k: float = 1.0  # residuals beyond k robust scales are down-weighted
+    # An observation weighs 1 / TTFT^weight_power: a TTFT's noise grows with it (each step
+    # waited through adds its own phase and length), its variance about in proportion. With
+    # equal weights a burst's few one-second waits, which no feature explains (a full batch
+    # waits for a finishing sequence), set the model of the hundreds of 30 ms requests after
+    # it, over-predicting them 2-4× for the rest of a run. 0: plain least squares.
+    weight_power: float = 1.0
+    floor_ms: float = 1.0  # a TTFT below this weighs as much as one of this
+    min_scale: float = 0.01  # weighted residual scale assumed before the first refit
     irls_rounds: int = 3
     warmup: int = 16  # observations of a worker before its fit replaces the prior
     prior_spread: float = 10.0  # prior std of each slope, in multiples of its prior value
     base_spread_ms: float = 50.0  # prior std of the base
+    # Once its pool's fit (every worker's observations) is warm, a worker's prior is that
+    # fit, with this std relative to each parameter: workers of a pool usually run the same
+    # hardware, so noise alone should not set their models apart; a different GPU's data
+    # overrule it within a few dozen observations.
+    pool_spread: float = 0.25
     max_pending: int = 100_000  # routed decisions awaiting their first token (oldest dropped)
     window: int = 1000  # recent errors kept per worker for the accuracy figures
 
@@ -78,8 +96,10 @@ class WorkerFit:
     prior_sd: np.ndarray
     theta: np.ndarray
     xs: np.ndarray  # ring buffer of the last ``memory`` feature rows…
-    ys: np.ndarray  # …and their targets
-    scale_ms: float = 0.0  # robust residual scale of the last refit (1.4826 × MAD)
+    ys: np.ndarray  # …their targets…
+    ws: np.ndarray  # …and their weights (PredictorConfig.weight_power)
+    scale: float = 0.0  # robust scale of the weighted residuals in the last refit
+    scale_ms: float = 0.0  # robust residual scale of the last refit in ms (1.4826 × MAD)
     n: int = 0
     outliers: int = 0  # observations down-weighted in the last refit
 
@@ -89,18 +109,28 @@ class WorkerFit:
                       prior.ms_per_queued])
         sd = np.concatenate(([cfg.base_spread_ms], cfg.prior_spread * np.maximum(p[1:], 1e-3)))
         return cls(prior=p, prior_sd=sd, theta=p.copy(), xs=np.zeros((cfg.memory, N)),
-                   ys=np.zeros(cfg.memory))
+                   ys=np.zeros(cfg.memory), ws=np.ones(cfg.memory))
 
     def params(self) -> TTFTParams:
         return TTFTParams(*(float(v) for v in self.theta))
 
-    def update(self, x: tuple[float, ...], y: float, cfg: PredictorConfig) -> float:
-        """One observation; returns its a priori residual (measured − predicted)."""
+    def center_on(self, pool: WorkerFit, cfg: PredictorConfig) -> None:
+        """Take the pool's fit as this worker's prior (floors: 1 ms, 0.001 per unit)."""
+        self.prior = pool.theta.copy()
+        floor = np.array([1.0, 1e-3, 1e-3, 1e-3])
+        self.prior_sd = cfg.pool_spread * np.maximum(np.abs(self.prior), floor)
+
+    def update(self, x: tuple[float, ...], y: float, cfg: PredictorConfig,
+               measured_ms: float | None = None) -> float:
+        """One observation (``measured_ms``: its TTFT, when ``y`` is not all of it); returns
+        its a priori residual (measured − predicted)."""
         th = self.theta
         r = y - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3])
         i = self.n % len(self.ys)
         self.xs[i] = x
         self.ys[i] = y
+        ttft = y if measured_ms is None else measured_ms
+        self.ws[i] = 1.0 / max(ttft, cfg.floor_ms) ** cfg.weight_power
         self.n += 1
         if self.n % cfg.refit_every == 0 or self.n == cfg.warmup:
             self.refit(cfg)
@@ -108,19 +138,22 @@ class WorkerFit:
 
     def refit(self, cfg: PredictorConfig) -> None:
         k = min(self.n, len(self.ys))
-        x, y = self.xs[:k], self.ys[:k]
-        w = np.ones(k)
+        x, y, base = self.xs[:k], self.ys[:k], self.ws[:k]
+        w = base
         lo, hi = np.asarray(cfg.lower), np.asarray(cfg.upper)
-        scale = max(self.scale_ms, 1.0)
+        scale = max(self.scale, cfg.min_scale)
         theta = self.theta
         for _ in range(cfg.irls_rounds):
+            # The prior is weighed against weighted residuals, so in their units.
             ridge = (scale / self.prior_sd) ** 2
             theta = _bounded_ridge(x, y, w, ridge, self.prior, lo, hi)
-            r = np.abs(y - x @ theta)
-            scale = max(1.4826 * float(np.median(r)), 1e-3)
-            w = np.where(r <= cfg.huber_k * scale, 1.0, cfg.huber_k * scale / np.maximum(r, 1e-12))
-        self.theta, self.scale_ms = theta, scale
-        self.outliers = int(np.sum(w < 1.0))
+            r = np.abs(y - x @ theta) * np.sqrt(base)
+            scale = max(1.4826 * float(np.median(r)), 1e-6)
+            w = base * np.where(r <= cfg.huber_k * scale, 1.0,
+                                cfg.huber_k * scale / np.maximum(r, 1e-12))
+        self.theta, self.scale = theta, scale
+        self.scale_ms = 1.4826 * float(np.median(np.abs(y - x @ theta)))
+        self.outliers = int(np.sum(w < base))
 
 
 def _bounded_ridge(x: np.ndarray, y: np.ndarray, w: np.ndarray, ridge: np.ndarray,
@@ -152,6 +185,7 @@ def _bounded_ridge(x: np.ndarray, y: np.ndarray, w: np.ndarray, ridge: np.ndarra
 
 @dataclass(slots=True)
 class _Routed:
+    pool: Any  # the Pool the decision was made in
     worker: WorkerState
     x: tuple[float, ...]
     kv_ms: float
@@ -175,6 +209,7 @@ class TTFTPredictor(Plugin):
 
     cfg: PredictorConfig = field(default_factory=PredictorConfig)
     fits: dict[str, WorkerFit] = field(default_factory=dict)
+    pooled: dict[str, WorkerFit] = field(default_factory=dict)  # by pool name
     _pending: OrderedDict[str, _Routed] = field(default_factory=OrderedDict)
     _errors: dict[str, _Errors] = field(default_factory=dict)
 
@@ -187,10 +222,12 @@ class TTFTPredictor(Plugin):
         # The features exactly as priced (before this request was booked).
         x = (1.0, float(decision.uncached_tokens + c.ahead_tokens), float(c.running),
              float(c.queued))
-        self._pending[decision.id] = _Routed(w, x, c.kv_ms, c.predicted_ttft_ms)
+        self._pending[decision.id] = _Routed(pool, w, x, c.kv_ms, c.predicted_ttft_ms)
+        cost: CostModel = pool.spec.cost
         if decision.chosen not in self.fits:
-            cost: CostModel = pool.spec.cost
             self.fits[decision.chosen] = WorkerFit.start(w.ttft or cost.ttft, self.cfg)
+        if pool.name not in self.pooled:
+            self.pooled[pool.name] = WorkerFit.start(cost.ttft, self.cfg)
         while len(self._pending) > self.cfg.max_pending:
             self._pending.popitem(last=False)
 
@@ -215,10 +252,20 @@ class TTFTPredictor(Plugin):
             errs = self._errors[addr] = _Errors.new(self.cfg.window)
         errs.abs_ms.append(abs(ttft_ms - routed.predicted_ms))
         errs.measured_ms.append(ttft_ms)
+        y, warm = ttft_ms - routed.kv_ms, self.cfg.warmup
+        pooled = self.pooled[routed.pool.name]
+        pooled.update(routed.x, y, self.cfg, ttft_ms)
         fit = self.fits[addr]
-        r = fit.update(routed.x, ttft_ms - routed.kv_ms, self.cfg)
-        if fit.n >= self.cfg.warmup:
+        if pooled.n >= warm:
+            fit.center_on(pooled, self.cfg)
+        r = fit.update(routed.x, y, self.cfg, ttft_ms)
+        if fit.n >= warm:
             routed.worker.ttft = fit.params()
+        if pooled.n >= warm:  # workers not yet warm start from the pool's model
+            for a, w in routed.pool.workers.items():
+                own = self.fits.get(a)
+                if own is None or own.n < warm:
+                    w.ttft = pooled.params()
         return r
 
     # -- reporting ----------------------------------------------------------------------------
