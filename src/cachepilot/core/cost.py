@@ -50,6 +50,12 @@ class CostModel:
     # The engine's batch size (vLLM's max_num_seqs); 0: learn it from scrapes that show a
     # queue. Requests sent since the last scrape fill the batch first, then queue.
     max_batch: int = 0
+    # With the batch full (its size known: max_batch, the engine's WorkerMetrics.max_batch,
+    # a slot engine's slots), each request waiting ahead, and the newcomer, waits for a
+    # sequence to finish rather than a few scheduler steps: it counts as this many admission
+    # waits (ms_per_queued is learned mostly from token-budget queues). 4: the simulator's
+    # bursty workload (full-batch waits ~1 s); 1 would price both alike.
+    full_batch_queue_factor: float = 4.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -141,17 +147,21 @@ def ahead_of(load: Load, worker: WorkerState, typical_uncached: float,
     this router sent; a typical request's for the others the last scrape saw) and their
     admission (a scheduler step when the token budget is the limit, a finishing sequence
     when the batch is full), each priced per worker by the predictor. Once the batch is full
-    (its size configured), the new request waits for a slot too."""
+    (its size known), the new request waits for a sequence slot too, and every place in line
+    counts ``full_batch_queue_factor`` times."""
     m = worker.metrics
     foreign = 0 if m is None else max(0, m.waiting - m.router_pending)
     ahead = worker.pending_prefill_tokens + round(foreign * typical_uncached)
     # Only a configured batch size says the batch is full: the size learned from scrapes
     # (batch_cap_seen) is often lower, since engines with chunked prefill queue requests for
     # the token budget long before every batch slot is taken.
-    # A slot engine says its batch size (llama.cpp's slots): a busy slot is a full batch.
-    cap = cost.max_batch or (0 if m is None else m.slots or 0)
+    # A slot engine says its batch size (llama.cpp's slots): a busy slot is a full batch;
+    # a batch engine's, when known (WorkerMetrics.max_batch), says the same.
+    cap = cost.max_batch or (0 if m is None else m.max_batch or m.slots or 0)
     full = bool(cap) and load.running >= cap
-    return ahead, load.waiting + full
+    if full:  # every place in line waits for a finishing sequence, not a scheduler step
+        return ahead, round((load.waiting + 1) * cost.full_batch_queue_factor)
+    return ahead, load.waiting
 
 
 def queue_ms(ahead_tokens: int, running: int, queued: int, p: TTFTParams) -> float:

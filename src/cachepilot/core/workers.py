@@ -20,6 +20,10 @@ class WorkerMetrics:
     # its context. From the engine's /props; the directory then holds one chain per slot.
     slots: int | None = None
     slot_tokens: int | None = None
+    # The engine's batch size (vLLM's max_num_seqs), when known (the simulator knows its
+    # engines'; a live gateway would need it configured or exposed). Once that many
+    # sequences run, a newcomer waits for one to finish. None: unknown.
+    max_batch: int | None = None
     scraped_at: float = 0.0  # caller's clock
     # Requests this router had sent there without a first token when the scrape was stored
     # (set by Pool.update_metrics): the waiting requests beyond it are someone else's.

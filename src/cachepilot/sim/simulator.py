@@ -196,7 +196,8 @@ class Simulator:
                 m = WorkerMetrics(
                     waiting=len(e.waiting), running=e.running, kv_usage=e.kv_usage(),
                     block_size=ecfg.block_size, num_blocks=ecfg.num_blocks,
-                    prefix_queries=float(e.prefix_queries), prefix_hits=float(e.prefix_hits),
+                    max_batch=ecfg.max_batch, prefix_queries=float(e.prefix_queries),
+                    prefix_hits=float(e.prefix_hits),
                     scraped_at=now)
             for rep in self.replicas:
                 rep.pool.update_metrics(addr, m)
