@@ -2,7 +2,7 @@
 mode that says which set a match reads (exact: events alone; degraded: events ∪ learned;
 approximate: learned alone)."""
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cachepilot.core.directory import APPROXIMATE, DEGRADED, EXACT, PrefixDirectory
@@ -84,6 +84,8 @@ ops = st.lists(st.tuples(st.sampled_from(["w0", "w1"]),
 
 @settings(max_examples=200)
 @given(ops)
+@example([("w1", "mode", [], EXACT), ("w1", "insert", [1], EXACT),
+          ("w1", "removed", [1], EXACT)])  # a late removal of a block routed this generation
 def test_match_agrees_with_a_reference_model(seq) -> None:
     d = two_workers()
     events = {"w0": set(), "w1": set()}
@@ -99,9 +101,13 @@ def test_match_agrees_with_a_reference_model(seq) -> None:
                 pending[w].pop(h, None)
         elif op == "removed":
             d.removed(w, hs)
-            events[w] -= set(hs)
-            learned[w] -= set(hs)
             for h in hs:
+                events[w].discard(h)
+                # A block routed here in the current generation is being computed again: a
+                # removal (announced a step late) is of the copy before it, so it stays.
+                if pending[w].get(h) == gen[w]:
+                    continue
+                learned[w].discard(h)
                 pending[w].pop(h, None)
         elif op == "cleared":
             d.cleared(w)
