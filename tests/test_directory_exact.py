@@ -96,9 +96,10 @@ def test_match_agrees_with_a_reference_model(seq) -> None:
     for w, op, hs, m in seq:
         if op == "stored":
             d.stored(w, hs)
-            events[w] |= set(hs)
             for h in hs:
-                pending[w].pop(h, None)
+                if h not in events[w]:  # newly announced: confirmed, no longer pending
+                    events[w].add(h)
+                    pending[w].pop(h, None)
         elif op == "removed":
             d.removed(w, hs)
             for h in hs:
@@ -117,8 +118,8 @@ def test_match_agrees_with_a_reference_model(seq) -> None:
         elif op == "insert":
             d.insert(w, hs)  # capacity 100: never evicts here
             learned[w] |= set(hs)
-            if mode[w] != APPROXIMATE:
-                pending[w].update((h, gen[w]) for h in hs if h not in events[w])
+            if mode[w] != APPROXIMATE:  # announced blocks too: see "removed"
+                pending[w].update((h, gen[w]) for h in hs)
         elif op == "age":
             d.age_pending(w)
             gen[w] += 1
