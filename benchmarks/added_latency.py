@@ -105,32 +105,32 @@ class NoopProcessor(ep_grpc.ExternalProcessorServicer):
             dynamic_metadata=lb_metadata(worker))
 
     @staticmethod
-    def buffered(context) -> bool:  # type: ignore[no-untyped-def]
-        return any(k == BODY_METADATA and v in (BUFFERED_BODY, BODY_ONLY)
-                   for k, v in context.invocation_metadata() or ())
+    def body_mode(context) -> str:  # type: ignore[no-untyped-def]
+        """The stream's x-cachepilot-body metadata ("only", "buffered"), "" when STREAMED."""
+        return next((v for k, v in context.invocation_metadata() or () if k == BODY_METADATA),
+                    "")
 
-    @staticmethod
-    def body_only(context) -> bool:  # type: ignore[no-untyped-def]
-        return any(k == BODY_METADATA and v == BODY_ONLY
-                   for k, v in context.invocation_metadata() or ())
+    def replies(self, mode: str, msg: ep.ProcessingRequest, chunks: int
+                ) -> tuple[list[ep.ProcessingResponse], int]:
+        """The answers to one message (and the body chunks seen so far), as the gateway gives
+        them in each body mode; the async and the thread-pool servers both use this."""
+        if mode == BODY_ONLY:
+            return [self.by_metadata], chunks
+        if mode == BUFFERED_BODY:
+            return [self.cont if msg.HasField("request_headers") else self.routed], chunks
+        if not msg.HasField("request_body"):
+            return [], chunks
+        if not msg.request_body.end_of_stream:
+            return [], chunks + 1
+        return ([ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=self.set))]
+                + [ep.ProcessingResponse(request_body=ep.BodyResponse())] * (chunks + 1), 0)
 
     async def Process(self, requests, context):  # type: ignore[no-untyped-def]
-        if self.body_only(context):
-            async for _ in requests:
-                yield self.by_metadata
-            return
-        buffered = self.buffered(context)
-        chunks = 0
+        mode, chunks = self.body_mode(context), 0
         async for msg in requests:
-            if buffered:
-                yield self.cont if msg.HasField("request_headers") else self.routed
-            elif msg.HasField("request_body"):
-                chunks += 1
-                if msg.request_body.end_of_stream:
-                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(
-                        response=self.set))
-                    for _ in range(chunks):
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+            out, chunks = self.replies(mode, msg, chunks)
+            for resp in out:
+                yield resp
 
 
 def start_noop(worker: str, uvloop: bool = False) -> int:
@@ -164,22 +164,10 @@ class SyncNoopProcessor(ep_grpc.ExternalProcessorServicer):
         self.inner = NoopProcessor(worker)
 
     def Process(self, requests, context):  # type: ignore[no-untyped-def]
-        if self.inner.body_only(context):
-            for _ in requests:
-                yield self.inner.by_metadata
-            return
-        buffered = self.inner.buffered(context)
-        chunks = 0
+        mode, chunks = self.inner.body_mode(context), 0
         for msg in requests:
-            if buffered:
-                yield self.inner.cont if msg.HasField("request_headers") else self.inner.routed
-            elif msg.HasField("request_body"):
-                chunks += 1
-                if msg.request_body.end_of_stream:
-                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(
-                        response=self.inner.set))
-                    for _ in range(chunks):
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+            out, chunks = self.inner.replies(mode, msg, chunks)
+            yield from out
 
 
 def serve_noop(port: int, worker: str, kind: str) -> None:

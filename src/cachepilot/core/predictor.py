@@ -262,10 +262,11 @@ class TTFTPredictor(Plugin):
         if fit.n >= warm:
             routed.worker.ttft = fit.params()
         if pooled.n >= warm:  # workers not yet warm start from the pool's model
+            params = pooled.params()
             for a, w in routed.pool.workers.items():
                 own = self.fits.get(a)
                 if own is None or own.n < warm:
-                    w.ttft = pooled.params()
+                    w.ttft = params
         return r
 
     # -- reporting ----------------------------------------------------------------------------

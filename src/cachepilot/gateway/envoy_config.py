@@ -131,6 +131,13 @@ class EnvoyOptions:
         return self.request_body_mode == "BUFFERED" and not self.send_request_headers
 
     @property
+    def buffer_limit_bytes(self) -> int:
+        """What Envoy buffers of a request body: the largest accepted body and then some, so
+        the gateway, seeing more than max_body_bytes arrive, answers 413 in JSON before
+        Envoy's own limit refuses it."""
+        return self.max_body_bytes + 256 * 1024
+
+    @property
     def message_timeout_ms(self) -> int:
         return int((self.body_timeout_s + 2.0) * 1000)
 
@@ -428,7 +435,7 @@ def _hold_headers_filter(o: EnvoyOptions) -> dict[str, Any]:
     body passes straight through."""
     return {"name": "envoy.filters.http.buffer", "typed_config": {
         "@type": _T + "extensions.filters.http.buffer.v3.Buffer",
-        "max_request_bytes": o.max_body_bytes + 256 * 1024}}
+        "max_request_bytes": o.buffer_limit_bytes}}
 
 
 def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
@@ -509,10 +516,8 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
             "listeners": [{
                 "name": "cachepilot",
                 "address": _addr(o.listen_address, o.listen_port),
-                # Envoy holds a request body until the gateway has routed it. Room for the
-                # largest accepted body and then some, so that the gateway, seeing more than
-                # max_body_bytes arrive, answers 413 in JSON before Envoy's buffer is full.
-                "per_connection_buffer_limit_bytes": o.max_body_bytes + 256 * 1024,
+                # Envoy holds a request body until the gateway has routed it.
+                "per_connection_buffer_limit_bytes": o.buffer_limit_bytes,
                 "filter_chains": [{"filters": [
                     {"name": "envoy.filters.network.connection_limit", "typed_config": {
                         "@type": _T + "extensions.filters.network.connection_limit.v3"

@@ -50,6 +50,13 @@ _TAIL = 512  # bytes of the previous chunk kept so a split "cached_tokens" is st
 _CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
 
 
+def _routed(d: Decision) -> ep.CommonResponse:
+    """The routing answer's common part: the destination and decision id headers, and a
+    cleared route cache so the route sees them (and any envoy.lb metadata beside them)."""
+    return ep.CommonResponse(header_mutation=header_mutation(
+        {DESTINATION_HEADER: d.chosen, DECISION_HEADER: d.id}), clear_route_cache=True)
+
+
 class DecisionSink(Protocol):
     """Where decisions and their outcomes go: cachepilot.records's Recorder or NullRecorder."""
 
@@ -179,11 +186,8 @@ class Processor:
         ex.inference = bool(inference_path(ex.path)) and ex.method == "POST"
         if not ex.inference:
             return None
-        limit = self.options.max_body_bytes
-        if ex.content_length is not None and ex.content_length > limit:
-            return RequestError(
-                413, f"request body is {ex.content_length} bytes; the limit is {limit}",
-                code="body_too_large")
+        if ex.content_length is not None and ex.content_length > self.options.max_body_bytes:
+            return self._too_large(ex.content_length)
         if msg.end_of_stream:
             return RequestError(400, "request body is empty")
         return None
@@ -213,11 +217,8 @@ class Processor:
             return [self._error(RequestError(
                 500, f"Envoy's route names no inference path for this body ({ex.path!r}); "
                      "is its config the gateway's?", code="proxy_config"))]
-        limit = self.options.max_body_bytes
-        if len(msg.body) > limit:
-            return [self._error(RequestError(
-                413, f"request body is {len(msg.body)} bytes; the limit is {limit}",
-                code="body_too_large"))]
+        if len(msg.body) > self.options.max_body_bytes:
+            return [self._error(self._too_large(len(msg.body)))]
         if not msg.body:
             return [self._error(RequestError(400, "request body is empty"))]
         try:
@@ -227,13 +228,15 @@ class Processor:
         # Envoy applies no header mutation here (it sent no headers), but its default route
         # cache action clears the cache only for an answer that has one: this one makes the
         # route see the metadata (fail-open's picked route).
-        mutation = header_mutation({DESTINATION_HEADER: decision.chosen,
-                                    DECISION_HEADER: decision.id})
         return [ep.ProcessingResponse(
-            request_body=ep.BodyResponse(response=ep.CommonResponse(
-                header_mutation=mutation, clear_route_cache=True)),
+            request_body=ep.BodyResponse(response=_routed(decision)),
             dynamic_metadata=lb_metadata(fallback_list(decision), **{
                 DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}))]
+
+    def _too_large(self, size: int) -> RequestError:
+        return RequestError(
+            413, f"request body is {size} bytes; the limit is {self.options.max_body_bytes}",
+            code="body_too_large")
 
     def over_limit(self, size: int) -> RequestError | None:
         limit = self.options.max_body_bytes
@@ -261,9 +264,7 @@ class Processor:
             decision = self.route(ex, raw)
         except RequestError as err:
             return [self._error(err)]
-        mutation = header_mutation({DESTINATION_HEADER: decision.chosen,
-                                    DECISION_HEADER: decision.id})
-        common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        common = _routed(decision)
         metadata = lb_metadata(fallback_list(decision))
         if ex.buffered:  # the headers wait for the body's answer, which carries the routing
             ex.chunks = 0

@@ -196,12 +196,8 @@ def make_app(cfg: WorkerConfig, kv_events: tuple[str, str | None] | None = None
             body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": cfg.model, "choices": [choice],
                     "usage": _usage(ereq)}
-            # Who answered, and where the proxy said it routed the request (debugging, tests).
-            seen = {"x-worker": cfg.name}
-            if DESTINATION_HEADER in request.headers:
-                seen["x-worker-routed-as"] = request.headers[DESTINATION_HEADER]
             return web.Response(body=orjson.dumps(body), content_type="application/json",
-                                headers=seen)
+                                headers=_who(request, cfg))
         finally:
             worker.forget(ereq)
 
@@ -233,11 +229,20 @@ def make_app(cfg: WorkerConfig, kv_events: tuple[str, str | None] | None = None
     return app
 
 
+def _who(request: web.Request, cfg: WorkerConfig) -> dict[str, str]:
+    """Response headers naming who answered and where the proxy said it routed the request
+    (debugging, tests)."""
+    seen = {"x-worker": cfg.name}
+    if DESTINATION_HEADER in request.headers:
+        seen["x-worker-routed-as"] = request.headers[DESTINATION_HEADER]
+    return seen
+
+
 async def _stream(request: web.Request, ereq: EngineRequest, q: asyncio.Queue[str], rid: str,
                   chat: bool, cfg: WorkerConfig) -> web.StreamResponse:
     """SSE like vLLM: headers at once, one chunk per token, usage last, then [DONE]."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "x-worker": cfg.name})
+                                       "Cache-Control": "no-cache", **_who(request, cfg)})
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
