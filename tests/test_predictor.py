@@ -13,15 +13,17 @@ from cachepilot.core.predictor import PredictorConfig, TTFTPredictor, WorkerFit
 from cachepilot.core.workers import TTFTParams
 
 TRUE = TTFTParams(base_ms=60.0, prefill_ms_per_token=0.2, ms_per_running=1.5,
-                  ms_per_queued=150.0)
+                  ms_per_queued=150.0, ms_per_batch_wait=600.0)
 
 
 def synthetic(fit: WorkerFit, cfg: PredictorConfig, n: int, *, truth: TTFTParams = TRUE,
               outliers: float = 0.0, seed: int = 1, queued: bool = True) -> None:
     rng = random.Random(seed)
     for _ in range(n):
-        x = (1.0, float(rng.randint(50, 4000)), float(rng.randint(0, 40)),
-             float(rng.randint(0, 6) if queued else 0))
+        waiting = rng.randint(0, 6) if queued else 0
+        full = queued and rng.random() < 0.2  # now and then behind a full batch
+        x = (1.0, float(rng.randint(50, 4000)), float(rng.randint(0, 40)), float(waiting),
+             float(waiting + 1 if full else 0))
         y = truth.predict(x) + rng.gauss(0, 5.0)
         if rng.random() < outliers:
             y += rng.choice((3000.0, 10_000.0))  # a stall: seconds, not milliseconds
@@ -32,12 +34,14 @@ def test_fit_recovers_every_parameter_with_its_intercept_from_wrong_starts() -> 
     """A constant the features leave out (HTTP, Envoy, tokenisation) lands in the intercept,
     not in the slopes: the slopes come back unbiased from priors off by 10× either way."""
     cfg = PredictorConfig()
-    for prior in (TTFTParams(15.0, 0.02, 0.2, 1500.0), TTFTParams(15.0, 2.0, 0.02, 15.0)):
+    for prior in (TTFTParams(15.0, 0.02, 0.2, 1500.0, 6000.0),
+                  TTFTParams(15.0, 2.0, 0.02, 15.0, 60.0)):
         fit = WorkerFit.start(prior, cfg)
         synthetic(fit, cfg, 1500)
         got = fit.params()
         assert got.prefill_ms_per_token == pytest.approx(0.2, rel=0.02)
         assert got.ms_per_queued == pytest.approx(150.0, rel=0.03)
+        assert got.ms_per_batch_wait == pytest.approx(600.0, rel=0.03)
         assert got.ms_per_running == pytest.approx(1.5, abs=0.3)
         assert got.base_ms == pytest.approx(60.0, abs=8.0)
 
@@ -58,7 +62,7 @@ def test_fit_is_robust_to_outliers() -> None:
 
 
 def test_fit_is_bounded_and_keeps_its_prior_where_the_data_says_nothing() -> None:
-    cfg = PredictorConfig(upper=(10_000.0, 1.0, 100.0, 500.0))
+    cfg = PredictorConfig(upper=(10_000.0, 1.0, 100.0, 500.0, 100_000.0))
     fit = WorkerFit.start(CostModel().ttft, cfg)
     synthetic(fit, cfg, 300, truth=TTFTParams(60.0, 40.0, 1.0, 10_000.0))  # absurd hardware
     assert fit.theta[1] == pytest.approx(1.0)  # pinned at its bound
@@ -67,6 +71,7 @@ def test_fit_is_bounded_and_keeps_its_prior_where_the_data_says_nothing() -> Non
     idle = WorkerFit.start(CostModel().ttft, cfg)
     synthetic(idle, cfg, 2000, queued=False)
     assert idle.theta[3] == pytest.approx(CostModel().queue_ms_per_waiting)  # never excited
+    assert idle.theta[4] == pytest.approx(CostModel().full_batch_wait_ms)
 
 
 def test_the_plugin_learns_a_workers_model_after_warmup_and_scores_itself() -> None:
@@ -87,7 +92,7 @@ def test_the_plugin_learns_a_workers_model_after_warmup_and_scores_itself() -> N
             assert w.ttft is None  # the prior until warm-up
         c = d.winner
         router.first_token(d, truth.predict((1.0, d.uncached_tokens + c.ahead_tokens, 0.0,
-                                             c.queued)))
+                                             c.queued, c.batch_waits)))
         router.release(d)
     assert predictor.observe("unknown", 10.0) is None
     assert w.ttft is not None
@@ -144,13 +149,14 @@ def test_a_bursts_unexplained_seconds_do_not_set_the_model_of_the_short_requests
     rng = random.Random(7)
 
     def quiet() -> tuple[tuple[float, ...], float]:
-        x = (1.0, float(rng.randint(50, 300)), float(rng.randint(5, 40)), 0.0)
+        x = (1.0, float(rng.randint(50, 300)), float(rng.randint(5, 40)), 0.0, 0.0)
         return x, 12.0 + 0.08 * x[1] + 0.1 * x[2] + rng.uniform(0.0, 10.0)  # + step phase
 
     for _ in range(150):
         fit.update(*quiet(), cfg)
     for _ in range(120):
-        x = (1.0, float(rng.randint(1500, 4000)), 64.0, float(rng.randint(8, 16)))
+        # The batch size unknown: no feature says these wait for a finishing sequence.
+        x = (1.0, float(rng.randint(1500, 4000)), 64.0, float(rng.randint(8, 16)), 0.0)
         fit.update(x, rng.uniform(800.0, 1200.0), cfg)
     rel = []
     for _ in range(150):
@@ -176,7 +182,7 @@ def test_a_worker_without_observations_starts_from_its_pools_model() -> None:
             continue
         c = d.winner
         router.first_token(d, truth.predict((1.0, d.uncached_tokens + c.ahead_tokens, 0.0,
-                                             c.queued)))
+                                             c.queued, c.batch_waits)))
         router.release(d)
     w2 = pool.workers["w2:8000"]
     assert predictor.fits.get("w2:8000") is None or predictor.fits["w2:8000"].n == 0

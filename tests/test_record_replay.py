@@ -115,8 +115,9 @@ def test_replay_rebuilds_the_inputs_and_decide_reprices_them_exactly(
     assert any(c["filtered"] == "stale" for r in recs for c in r["candidates"])
     assert any(c["filtered"] == "not_ready" for r in recs for c in r["candidates"])
     rp = Replayer(replay_policy("priced"))
-    terms = ("eligible", "filtered", "matched_blocks", "waiting", "running", "kv_usage",
-             "saved_ms", "prefill_ms", "queue_ms", "kv_ms", "predicted_ttft_ms", "value")
+    terms = ("eligible", "filtered", "matched_blocks", "waiting", "running", "queued",
+             "batch_waits", "kv_usage", "saved_ms", "prefill_ms", "queue_ms", "kv_ms",
+             "predicted_ttft_ms", "value")
     for rec in recs:
         d = rp.decide(rec)
         assert d is not None and d.chosen == rec["chosen"] and d.margin_ms == rec["margin_ms"]
@@ -130,6 +131,18 @@ def test_replay_rebuilds_the_inputs_and_decide_reprices_them_exactly(
     for c, want in zip(doubled.candidates, rec["candidates"], strict=True):
         factor = 1.0 if want["ttft_params"] else 2.0
         assert c.prefill_ms == pytest.approx(factor * want["prefill_ms"])
+
+
+def test_a_record_from_before_the_full_batch_wait_was_learned_still_reads() -> None:
+    """Records written before TTFTParams gained ms_per_batch_wait read it as 0: they never
+    priced a full batch apart."""
+    from cachepilot.records.schema import record_to_candidates
+    old = {"candidates": [{"worker": "w:1", "queued": 2, "ttft_params": {
+        "base_ms": 20.0, "prefill_ms_per_token": 0.1, "ms_per_running": 0.2,
+        "ms_per_queued": 40.0}}]}
+    (c,) = record_to_candidates(old)
+    assert c.batch_waits == 0
+    assert c.ttft_params == TTFTParams(20.0, 0.1, 0.2, 40.0, 0.0)
 
 
 def test_replay_mixed_policies_log(logs: dict[str, Path]) -> None:

@@ -227,25 +227,28 @@ def test_a_busy_slot_is_a_full_batch_and_a_newcomer_queues_for_it() -> None:
         pool.update_metrics(w, WorkerMetrics(waiting=0, running=1 if w == WORKERS[0] else 0,
                                              slots=1, scraped_at=100.0))
     d = r.decide(pool, "m", r.fingerprint(req("a"), pool), 100.0, "d")
-    queued = {c.worker: c.queued for c in d.candidates}
-    full = round(CostModel().full_batch_queue_factor)  # a place behind a full batch
-    assert queued[WORKERS[0]] == full and all(queued[w] == 0 for w in WORKERS[1:])
+    waits = {c.worker: (c.queued, c.batch_waits) for c in d.candidates}
+    assert waits[WORKERS[0]] == (0, 1)  # its own place behind the busy slot
+    assert all(waits[w] == (0, 0) for w in WORKERS[1:])
     assert d.chosen != WORKERS[0]
 
 
 def test_a_full_batch_of_known_size_makes_every_place_in_line_wait_for_a_sequence() -> None:
     """A batch engine whose batch size is known (WorkerMetrics.max_batch): with the batch
-    full, the waiting requests and the newcomer each wait for a finishing sequence, priced
-    as full_batch_queue_factor admissions; below it, or with the size unknown, as before."""
+    full, the waiting requests and the newcomer each wait for a finishing sequence as well as
+    for admission (priced apart, ms_per_batch_wait); below it, or with the size unknown, for
+    admission only."""
     r = make_router()
     pool = r.pools["default"]
-    k = CostModel().full_batch_queue_factor
     metrics = {WORKERS[0]: WorkerMetrics(waiting=2, running=4, max_batch=4, scraped_at=100.0),
                WORKERS[1]: WorkerMetrics(waiting=2, running=3, max_batch=4, scraped_at=100.0),
                WORKERS[2]: WorkerMetrics(waiting=2, running=4, scraped_at=100.0)}
     for w, m in metrics.items():
         pool.update_metrics(w, m)
     d = r.decide(pool, "m", r.fingerprint(req("a"), pool), 100.0, "d")
-    queued = {c.worker: c.queued for c in d.candidates}
-    assert queued == {WORKERS[0]: round(3 * k), WORKERS[1]: 2, WORKERS[2]: 2}
+    waits = {c.worker: (c.queued, c.batch_waits) for c in d.candidates}
+    assert waits == {WORKERS[0]: (2, 3), WORKERS[1]: (2, 0), WORKERS[2]: (2, 0)}
+    by = {c.worker: c for c in d.candidates}
+    assert by[WORKERS[0]].queue_ms == pytest.approx(
+        by[WORKERS[2]].queue_ms + 3 * CostModel().full_batch_wait_ms)
     assert d.chosen != WORKERS[0]

@@ -6,6 +6,7 @@ and its first token there (:func:`ahead_of`)::
     ttft ≈ base + prefill_ms_per_token × (its uncached tokens + prefill queued ahead of it)
                 + ms_per_running × sequences decoding in the batch it joins
                 + ms_per_queued × requests waiting for admission ahead of it
+                + ms_per_batch_wait × places in line behind a full batch (itself included)
                 + KV pressure
 
 "Prefill queued ahead" is what this router sent there that has not produced a first token
@@ -51,11 +52,13 @@ class CostModel:
     # queue. Requests sent since the last scrape fill the batch first, then queue.
     max_batch: int = 0
     # With the batch full (its size known: max_batch, the engine's WorkerMetrics.max_batch,
-    # a slot engine's slots), each request waiting ahead, and the newcomer, waits for a
-    # sequence to finish rather than a few scheduler steps: it counts as this many admission
-    # waits (ms_per_queued is learned mostly from token-budget queues). 4: the simulator's
-    # bursty workload (full-batch waits ~1 s); 1 would price both alike.
-    full_batch_queue_factor: float = 4.0
+    # a slot engine's slots), each request waiting ahead, and the newcomer, also waits for a
+    # sequence to finish, not just a scheduler step: this much per place in line. Only the
+    # prior, and learned apart from ms_per_queued (token-budget queues, the common kind,
+    # would otherwise set both): each worker's comes from its own full batches. The prior is
+    # one more admission wait (a batch of B sequences of ~B output tokens frees a place about
+    # every step); the predictor moves it to seconds on a one-slot engine.
+    full_batch_wait_ms: float = 50.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -67,7 +70,8 @@ class CostModel:
     def ttft(self) -> TTFTParams:
         """The prior of every worker's TTFT model."""
         return TTFTParams(self.base_ttft_ms, self.prefill_ms_per_token,
-                          self.queue_ms_per_running, self.queue_ms_per_waiting)
+                          self.queue_ms_per_running, self.queue_ms_per_waiting,
+                          self.full_batch_wait_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,14 +145,14 @@ def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
 
 
 def ahead_of(load: Load, worker: WorkerState, typical_uncached: float,
-             cost: CostModel) -> tuple[int, int]:
+             cost: CostModel) -> tuple[int, int, int]:
     """What is ahead of a new request on ``worker``: (prefill tokens, requests waiting for
-    admission). Waiting requests count in both, on purpose: their prefill (exact for those
-    this router sent; a typical request's for the others the last scrape saw) and their
-    admission (a scheduler step when the token budget is the limit, a finishing sequence
-    when the batch is full), each priced per worker by the predictor. Once the batch is full
-    (its size known), the new request waits for a sequence slot too, and every place in line
-    counts ``full_batch_queue_factor`` times."""
+    admission, places in line behind a full batch). Waiting requests count in the first two
+    on purpose: their prefill (exact for those this router sent; a typical request's for the
+    others the last scrape saw) and their admission (a scheduler step or two while the token
+    budget is the limit), each priced per worker by the predictor. Once the batch is full
+    (its size known), every one of them, and the newcomer, also waits for a sequence to
+    finish: the third count, priced apart (``ms_per_batch_wait``)."""
     m = worker.metrics
     foreign = 0 if m is None else max(0, m.waiting - m.router_pending)
     ahead = worker.pending_prefill_tokens + round(foreign * typical_uncached)
@@ -159,15 +163,14 @@ def ahead_of(load: Load, worker: WorkerState, typical_uncached: float,
     # a batch engine's, when known (WorkerMetrics.max_batch), says the same.
     cap = cost.max_batch or (0 if m is None else m.max_batch or m.slots or 0)
     full = bool(cap) and load.running >= cap
-    if full:  # every place in line waits for a finishing sequence, not a scheduler step
-        return ahead, round((load.waiting + 1) * cost.full_batch_queue_factor)
-    return ahead, load.waiting
+    return ahead, load.waiting, load.waiting + 1 if full else 0
 
 
-def queue_ms(ahead_tokens: int, running: int, queued: int, p: TTFTParams) -> float:
+def queue_ms(ahead_tokens: int, running: int, queued: int, batch_waits: int,
+             p: TTFTParams) -> float:
     """Everything ahead of the request: queued prefill, decode interference, admission."""
     return (ahead_tokens * p.prefill_ms_per_token + running * p.ms_per_running
-            + queued * p.ms_per_queued)
+            + queued * p.ms_per_queued + batch_waits * p.ms_per_batch_wait)
 
 
 def congestion_ms_of(prefill_ms: float, arrivals_per_ms: float, backlog_ms: float,

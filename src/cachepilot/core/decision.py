@@ -23,6 +23,7 @@ class Candidate:
     waiting: int = 0
     running: int = 0
     queued: int = 0  # requests waiting for admission ahead of it (a feature)
+    batch_waits: int = 0  # places in line behind a full batch, its own included (a feature)
     ahead_tokens: int = 0  # prefill tokens queued ahead of it (a feature; see core.cost)
     inflight: int = 0
     kv_usage: float = 0.0

@@ -3,9 +3,10 @@
 The router predicts a worker's TTFT for a request as a linear model of its features
 (:func:`~cachepilot.core.cost.ahead_of`)::
 
-    ttft − KV pressure ≈ θ · (1, prefill tokens, running, queued)
+    ttft − KV pressure ≈ θ · (1, prefill tokens, running, queued, full-batch waits)
 
-with θ = (base ms, prefill ms/token, ms per running sequence, ms per unseen queued request),
+with θ = (base ms, prefill ms/token, ms per running sequence, ms per queued request, ms per
+place in line behind a full batch),
 starting from the cost model's prior. :class:`TTFTPredictor` is a lifecycle plugin
 (:mod:`cachepilot.core.lifecycle`): ``on_routed`` keeps the chosen worker's features,
 ``on_first_token`` fits them to the measured TTFT, ``on_finish`` drops a request that never
@@ -48,14 +49,14 @@ from cachepilot.core.decision import Decision
 from cachepilot.core.lifecycle import Outcome, Plugin
 from cachepilot.core.workers import TTFTParams, WorkerState
 
-N = 4  # parameters: base, prefill per token, per running sequence, per queued request
+N = 5  # parameters: base, prefill per token, per running, per queued, per full-batch wait
 
 
 @dataclass(frozen=True, slots=True)
 class PredictorConfig:
-    # Bounds of (base ms, prefill ms/token, ms per running, ms per queued).
-    lower: tuple[float, ...] = (0.0, 0.002, 0.0, 0.0)
-    upper: tuple[float, ...] = (10_000.0, 5.0, 100.0, 10_000.0)
+    # Bounds of (base ms, prefill ms/token, ms per running, ms per queued, ms per batch wait).
+    lower: tuple[float, ...] = (0.0, 0.002, 0.0, 0.0, 0.0)
+    upper: tuple[float, ...] = (10_000.0, 5.0, 100.0, 10_000.0, 100_000.0)
     memory: int = 400  # observations per worker the fit uses (older ones age out)
     refit_every: int = 16  # observations between refits (a refit is ~0.2 ms of numpy)
     huber_k: float = 1.0  # residuals beyond k robust scales are down-weighted
@@ -106,7 +107,7 @@ class WorkerFit:
     @classmethod
     def start(cls, prior: TTFTParams, cfg: PredictorConfig) -> WorkerFit:
         p = np.array([prior.base_ms, prior.prefill_ms_per_token, prior.ms_per_running,
-                      prior.ms_per_queued])
+                      prior.ms_per_queued, prior.ms_per_batch_wait])
         sd = np.concatenate(([cfg.base_spread_ms], cfg.prior_spread * np.maximum(p[1:], 1e-3)))
         return cls(prior=p, prior_sd=sd, theta=p.copy(), xs=np.zeros((cfg.memory, N)),
                    ys=np.zeros(cfg.memory), ws=np.ones(cfg.memory))
@@ -117,7 +118,7 @@ class WorkerFit:
     def center_on(self, pool: WorkerFit, cfg: PredictorConfig) -> None:
         """Take the pool's fit as this worker's prior (floors: 1 ms, 0.001 per unit)."""
         self.prior = pool.theta.copy()
-        floor = np.array([1.0, 1e-3, 1e-3, 1e-3])
+        floor = np.array([1.0, 1e-3, 1e-3, 1e-3, 1e-3])
         self.prior_sd = cfg.pool_spread * np.maximum(np.abs(self.prior), floor)
 
     def update(self, x: tuple[float, ...], y: float, cfg: PredictorConfig,
@@ -125,7 +126,7 @@ class WorkerFit:
         """One observation (``measured_ms``: its TTFT, when ``y`` is not all of it); returns
         its a priori residual (measured − predicted)."""
         th = self.theta
-        r = y - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3])
+        r = y - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4])
         i = self.n % len(self.ys)
         self.xs[i] = x
         self.ys[i] = y
@@ -221,7 +222,7 @@ class TTFTPredictor(Plugin):
         c = decision.winner
         # The features exactly as priced (before this request was booked).
         x = (1.0, float(decision.uncached_tokens + c.ahead_tokens), float(c.running),
-             float(c.queued))
+             float(c.queued), float(c.batch_waits))
         self._pending[decision.id] = _Routed(pool, w, x, c.kv_ms, c.predicted_ttft_ms)
         cost: CostModel = pool.spec.cost
         if decision.chosen not in self.fits:
@@ -274,6 +275,7 @@ class TTFTPredictor(Plugin):
         """Per worker: the fitted parameters, robust scale and observation counts."""
         return {a: {"base_ms": f.theta[0], "prefill_ms_per_token": f.theta[1],
                     "ms_per_running": f.theta[2], "ms_per_queued": f.theta[3],
+                    "ms_per_batch_wait": f.theta[4],
                     "residual_scale_ms": f.scale_ms, "observations": f.n,
                     "applied": f.n >= self.cfg.warmup, "outliers": f.outliers}
                 for a, f in sorted(self.fits.items())}

@@ -110,13 +110,14 @@ class Router:
             uncached = fp.tokens - matched_tokens
             p = w.ttft or prior
             evict = pool.directory.eviction_blocks(addr, fp.hashes)
-            ahead, queued = ahead_of(load, w, typical, cost)
-            backlog_ms = queue_ms(ahead, load.running, queued, p)
+            ahead, queued, batch_waits = ahead_of(load, w, typical, cost)
+            backlog_ms = queue_ms(ahead, load.running, queued, batch_waits, p)
             prefill_ms = uncached * p.prefill_ms_per_token
             c = Candidate(
                 worker=addr, matched_blocks=blocks, matched_tokens=matched_tokens,
                 waiting=load.waiting, running=load.running, queued=queued,
-                ahead_tokens=ahead, inflight=w.inflight, kv_usage=load.kv_usage,
+                batch_waits=batch_waits, ahead_tokens=ahead, inflight=w.inflight,
+                kv_usage=load.kv_usage,
                 metrics_age_ms=None if load.age_s is None else load.age_s * 1000.0,
                 saved_ms=matched_tokens * p.prefill_ms_per_token,
                 prefill_ms=prefill_ms, queue_ms=backlog_ms,

@@ -38,10 +38,14 @@ class TTFTParams:
     prefill_ms_per_token: float
     ms_per_running: float
     ms_per_queued: float
+    # Per place in line behind a full batch: a wait for a finishing sequence. 0 in records
+    # written before it was learned (they never priced one separately).
+    ms_per_batch_wait: float = 0.0
 
-    def predict(self, x: tuple[float, float, float, float]) -> float:
+    def predict(self, x: tuple[float, ...]) -> float:
         return (self.base_ms * x[0] + self.prefill_ms_per_token * x[1]
-                + self.ms_per_running * x[2] + self.ms_per_queued * x[3])
+                + self.ms_per_running * x[2] + self.ms_per_queued * x[3]
+                + self.ms_per_batch_wait * x[4])
 
 
 @dataclass(slots=True)

@@ -170,7 +170,7 @@ def record_to_candidates(record: Mapping[str, Any]) -> list[Candidate]:
         if m is not None:
             c.metrics = WorkerMetrics(**{f: m[f] for f in METRICS_FIELDS if f in m})
         if p is not None:
-            c.ttft_params = TTFTParams(**{f: p[f] for f in PARAMS_FIELDS})
+            c.ttft_params = TTFTParams(**{f: p[f] for f in PARAMS_FIELDS if f in p})
         out.append(c)
     return out
 
