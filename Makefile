@@ -42,7 +42,7 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 
 # CachePilot vs sglang-router and vllm-router on real llama.cpp workers (20 min on 2 idle cores, 35+ loaded).
 real-peers: $(VENV)/.installed-peers
-	$(BIN)/cachepilot experiment real-peers --out docs/results/real-peers --logs runs/real-peers-logs
+	$(BIN)/cachepilot experiment real-peers --seeds 5 --out docs/results/real-peers --logs runs/real-peers-logs
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/decision_latency.py

@@ -30,7 +30,7 @@ from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.sim.workloads import Dist, WorkloadSpec, generate
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 from cachepilot.tooling.loadgen import chat_body, run
-from cachepilot.tooling.stack import LocalStack, StackConfig, free_port
+from cachepilot.tooling.stack import LocalStack, StackConfig, free_port_pair
 
 MODEL = "sim-llama-8b"
 KV_WORKER = "127.0.0.1:1"  # never scraped: only its events matter
@@ -97,7 +97,7 @@ def kv_event_scrape() -> str:
 
 
 async def _kv_event_scrape() -> str:
-    port = free_port()
+    port = free_port_pair()
     pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
     router = static_router([KV_WORKER], policy="priced", weights=Weights(), models=(),
                            block=BlockConfig(16), capacity_blocks=1000, engine="vllm")

@@ -91,6 +91,7 @@ def test_up_when_its_port_is_in_use() -> None:
     ["up", "--weights", "speed=2"],
     ["gateway", "--weights", "nosuch=1"],
     ["gateway", "--cost", "nosuch=1"],
+    ["simulate", "--cost", "max_batch=many"],
     ["replay", "log", "--weights", "prefill"],
 ])
 def test_bad_weights_and_cost(args: list[str]) -> None:

@@ -16,11 +16,11 @@ from cachepilot.core.router import static_router
 from cachepilot.gateway.kv_events import port_endpoints
 from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
-from cachepilot.tooling.stack import free_port
+from cachepilot.tooling.stack import free_port_pair
 
 
 async def test_the_gateway_attaches_to_each_workers_events_and_reports_the_mode() -> None:
-    port = free_port()
+    port = free_port_pair()
     pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
     worker = "127.0.0.1:1"  # never scraped: only its events matter here
     router = static_router([worker], policy="priced", weights=Weights(), models=(),

@@ -223,3 +223,28 @@ async def test_follow_pools_attaches_and_detaches_as_workers_come_and_go(hub) ->
     ep = port_endpoints(5557, 5558)("p", "10.1.2.3:8000")
     assert (ep.events, ep.replay, ep.topic) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558",
                                                 "kv-events")
+
+
+def test_a_publisher_on_a_taken_port_raises_and_leaves_no_socket_behind() -> None:
+    """A half-built publisher's open sockets, once garbage in a reference cycle (a kept
+    traceback), would make the context's finaliser block the thread the collector next
+    runs in: a 60-s stall in an unrelated test on CI."""
+    import gc
+    import threading
+
+    import zmq
+
+    def half_built(port: int) -> bool:
+        try:
+            KVEventPublisher(replay_endpoint=f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError as exc:
+            kept = exc  # frame → traceback → frame: a cycle only the collector frees
+            return kept is not None
+        return False
+
+    with KVEventPublisher() as taken:
+        assert half_built(int(taken.replay_endpoint.rsplit(":", 1)[1]))
+    collected = threading.Thread(target=gc.collect, daemon=True)
+    collected.start()
+    collected.join(timeout=10)
+    assert not collected.is_alive(), "collecting the half-built publisher hung"

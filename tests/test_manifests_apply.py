@@ -130,6 +130,8 @@ def test_vllm_example_matches_the_pool() -> None:
     args = container["args"]
     assert f"--served-model-name={pool.spec.models[0]}" in args
     assert f"--block-size={pool.spec.block.block_size}" in args
+    assert f"--max-num-seqs={pool.spec.cost.max_batch}" in args  # vLLM does not export it
+    assert isinstance(pool.spec.cost.max_batch, int)
     assert pool.scrape.engine == "vllm"
     # KV events: the flag vLLM reads, and the pool finds the publisher and its replay.
     flag = next(a for a in args if a.startswith("--kv-events-config="))

@@ -184,3 +184,18 @@ def test_router_prices_a_fingerprint_built_from_token_ids_like_the_simulator():
     fp = router.fingerprint(InferenceRequest(model=MODEL, token_ids=tuple(int(x) for x in ids)),
                             router.pools["p"])
     assert fp == r.fp
+
+
+def test_simulate_takes_cost_overrides_from_the_command_line() -> None:
+    """``--cost`` reaches the simulated router: an admission limit of 0 turns every request
+    away (429), as the gateway would."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cachepilot.cli import main
+
+    args = ["simulate", "--duration", "2", "--json"]
+    base = json.loads(CliRunner().invoke(main, args).output)
+    shut = json.loads(CliRunner().invoke(main, [*args, "--cost", "admission_limit=0"]).output)
+    assert base["rejected"] == 0 < shut["requests"] == shut["rejected"]

@@ -4,6 +4,7 @@ sharing what they route over a local NATS server."""
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 
 import httpx
@@ -22,18 +23,64 @@ def doc(name: str) -> str:
     return f"a shared document called {name} " * 200
 
 
-def workers_for(stack: LocalStack, client: httpx.Client, name: str, n: int) -> list[str]:
-    """Send ``n`` requests sharing document ``name``, one at a time; the worker that
-    answered each (Envoy's x-cachepilot-worker)."""
-    out = []
+def workers_for(stack: LocalStack, client: httpx.Client, name: str, n: int,
+                bus: bool = True) -> list[str]:
+    """Send ``n`` requests sharing document ``name``, one at a time, each once the others
+    have heard of the last (with ``bus``); the worker that answered each (Envoy's
+    x-cachepilot-worker)."""
+    out, ids = [], []
     for i in range(n):
+        before = bus_counts(stack)
         r = client.post(f"{stack.url}/v1/completions",
                         json={"model": stack.config.model, "prompt": f"{doc(name)} q{i}",
                               "max_tokens": 2})
         assert r.status_code == 200, r.text
         out.append(r.headers["x-cachepilot-worker"])
-        time.sleep(0.05)  # a bus flush (5 ms) and more
+        ids.append(r.headers["x-cachepilot-decision-id"])
+        if bus:
+            delivered(stack, before)
+        else:
+            time.sleep(0.05)
+    _decisions[name] = ids
     return out
+
+
+def bus_counts(stack: LocalStack) -> list[tuple[int, int]]:
+    """Each replica's (messages published, messages received from the others)."""
+    return [(s["published"], s["received"]) for s in replicas_status(stack)]
+
+
+def delivered(stack: LocalStack, before: list[tuple[int, int]], timeout_s: float = 10.0) -> None:
+    """Until the request's placement is published (a message since ``before``) and every
+    replica has received what the others published since: the
+    bus's delivery, waited for rather than guessed (a fixed 50-ms sleep split a prefix
+    over two workers on a loaded CI machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = bus_counts(stack)
+        sent = [p - p0 for (p, _), (p0, _) in zip(now, before, strict=True)]
+        if sum(sent) and all(r - r0 >= sum(sent) - sent[i]
+               for i, ((_, r), (_, r0)) in enumerate(zip(now, before, strict=True))):
+            return
+        assert time.monotonic() < deadline, f"the bus did not deliver: {before} → {now}"
+        time.sleep(0.02)
+
+
+_decisions: dict[str, list[str]] = {}
+
+
+def why(stack: LocalStack, name: str) -> str:
+    """The explanation of each decision for document ``name``, from whichever replica made
+    it: what a failed assertion shows (a split is timing-dependent, hard to reproduce)."""
+    admins = [stack.admin_url] + [f"http://127.0.0.1:{a}" for _, a in stack.replica_ports]
+    out = []
+    for i, decision in enumerate(_decisions.get(name, [])):
+        for admin in admins:
+            status, body = http_get(f"{admin}/decisions/{decision}")
+            if status == 200:
+                out.append(f"#{i} via {admin}: {json.loads(body)['explanation']}")
+                break
+    return "\n".join(out)
 
 
 def replicas_status(stack: LocalStack) -> list[dict]:
@@ -44,7 +91,9 @@ def replicas_status(stack: LocalStack) -> list[dict]:
 
 def test_a_prefix_lands_on_one_worker_whichever_replica_routes_it_even_across_a_bus_outage(
         ) -> None:
-    stack = LocalStack(StackConfig(workers=3, speed=8.0, replicas=2)).start(timeout_s=90)
+    log = tempfile.mkdtemp(prefix="cachepilot-replicas-")
+    stack = LocalStack(StackConfig(workers=3, speed=8.0, replicas=2,
+                                   decision_log=f"{log}/decisions")).start(timeout_s=90)
     try:
         _drill(stack)
     finally:
@@ -63,7 +112,7 @@ def connected(stack: LocalStack, timeout_s: float = 20.0) -> None:
 def _drill(stack: LocalStack) -> None:
     connected(stack)
     with httpx.Client(timeout=30) as client:
-        assert len(set(workers_for(stack, client, "alpha", 10))) == 1
+        assert len(set(workers_for(stack, client, "alpha", 10))) == 1, why(stack, "alpha")
         status = replicas_status(stack)
         assert min(s["decisions"] for s in status) > 0  # Envoy spread them over both
         assert all(s["connected"] and s["bad"] == 0 and s["applied"] > 0 for s in status)
@@ -72,7 +121,7 @@ def _drill(stack: LocalStack) -> None:
         # prefix may get one home per replica).
         nats_args = stack.processes.args["nats"]
         stack.kill("nats")
-        beta = workers_for(stack, client, "beta", 6)
+        beta = workers_for(stack, client, "beta", 6, bus=False)
         assert len(beta) == 6
         print(f"bus down: 'beta' placed on {len(set(beta))} worker(s) by 2 replicas")
         # It comes back on the same port: they reconnect and agree again.
@@ -84,6 +133,6 @@ def _drill(stack: LocalStack) -> None:
         time.sleep(1.0)  # the catch-up each replica starts on reconnecting
         assert all(s["reconnects"] >= 1 and s["catch_ups"] >= 2
                    for s in replicas_status(stack))
-        assert len(set(workers_for(stack, client, "gamma", 8))) == 1
+        assert len(set(workers_for(stack, client, "gamma", 8))) == 1, why(stack, "gamma")
         # What was placed during the outage is known to both again.
         assert set(workers_for(stack, client, "beta", 6)) <= set(beta)

@@ -6,7 +6,6 @@ them unless CACHEPILOT_REQUIRE_VLLM=1 (CI), where a missing or broken vLLM fails
 """
 
 import asyncio
-import socket
 from pathlib import Path
 
 import httpx
@@ -16,24 +15,10 @@ from vllm_env import SHARED, VENV, prepared_model
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
 from cachepilot.gateway.kv_events import Endpoints, KVEventHub
+from cachepilot.tooling.stack import free_port, free_port_pair
 from cachepilot.tooling.vllm.worker import VllmWorkers, VllmWorkerSpec
 
 pytestmark = pytest.mark.slow
-
-
-def free_port(pair: bool = False) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +52,7 @@ async def test_hashes_events_and_cached_tokens_are_exact(hf_model: Path, tmp_pat
     workers = VllmWorkers(VENV, hf_model, spec, state_dir=tmp_path)
     hub = KVEventHub(heartbeat_every=1.0, replay_timeout=2.0, stale_after=30.0)
     d = PrefixDirectory(100_000)
-    port, events_port = free_port(), free_port(pair=True)
+    port, events_port = free_port(), free_port_pair()
     try:
         workers.start(1, port, events_port)
         await asyncio.to_thread(workers.wait_ready, 400.0)

@@ -90,3 +90,17 @@ def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_the_gateway_is_told_the_batch_size_the_workers_run() -> None:
+    """vLLM does not export max_num_seqs: the stack passes the same number to the workers
+    and to the gateway's cost model, so a full batch is priced as one (core.cost.ahead_of)."""
+    from cachepilot.cli.gateway import parse_cost
+    from cachepilot.tooling.vllm.stack import VllmStack
+
+    stack = VllmStack(workers=2)
+    stack.model = Path("model")
+    worker = stack.spec.args(Path("venv"), Path("model"), 8000, 5557)
+    n = worker[worker.index("--max-num-seqs") + 1]
+    gateway = stack.gateway_args()
+    assert parse_cost(gateway[gateway.index("--cost") + 1]).max_batch == int(n) == 128

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from cachepilot.cli.options import policy_option
+from cachepilot.cli.options import cost_option, policy_option
 from cachepilot.core import Weights
 from cachepilot.sim.engine import EngineConfig
 from cachepilot.sim.peers import SIM_POLICIES
@@ -41,12 +41,16 @@ from cachepilot.sim.peers import SIM_POLICIES
               type=click.Choice(["random", "round_robin", "service"]),
               help="How requests reach a replica: at random, in turn, or per client "
                    "connection (a Kubernetes Service).")
+@cost_option("Cost-model parameters the router starts from, e.g. full_batch_wait_ms=0 "
+             "(see cachepilot.core.cost.CostModel).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measures as JSON.")
 def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int, workers: int,
                  load_weight: float, prefill_weight: float, kv_weight: float,
                  scrape_interval: float, trace_path: str | None, rate_scale: float,
-                 kv_blocks: int, replicas: int, sharing: str, as_json: bool) -> None:
+                 kv_blocks: int, replicas: int, sharing: str, cost: str | None,
+                 as_json: bool) -> None:
     """Simulate one workload through the gateway's router and modelled engines."""
+    from cachepilot.cli.gateway import parse_cost
     from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate, ideal_ttfts
     from cachepilot.sim.measures import summarize
 
@@ -65,7 +69,8 @@ def simulate_cmd(policy: str, kind: str, rate: float, duration: float, seed: int
                                  param_hint="--trace") from None
     cfg = SimConfig(workers=workers, policy=policy, scrape_interval_s=scrape_interval,
                     weights=Weights(prefill=prefill_weight, load=load_weight, kv=kv_weight),
-                    engine=EngineConfig(num_blocks=kv_blocks), replicas=replicas,
+                    cost=parse_cost(cost), engine=EngineConfig(num_blocks=kv_blocks),
+                    replicas=replicas,
                     sharing=sharing)
     longest = max((r.prompt_tokens + r.max_tokens for r in wl.requests), default=0)
     if longest > kv_blocks * cfg.engine.block_size:

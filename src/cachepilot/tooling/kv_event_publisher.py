@@ -90,18 +90,25 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._drop = 0
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(replay_endpoint)
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            # A taken port: close now, or the context's finaliser blocks whichever thread
+            # the garbage collector next runs in (CI saw a 60-s stall in another test).
+            self._ctx.destroy(linger=0)
+            raise
         if replay_endpoint is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(replay_endpoint)
-            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._thread = threading.Thread(target=self._serve_replay, daemon=True,
                                             name="kv-event-replay")
             self._thread.start()

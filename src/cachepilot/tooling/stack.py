@@ -18,11 +18,20 @@ from typing import Any
 from cachepilot.gateway.envoy_config import EnvoyOptions, render
 from cachepilot.tooling.procs import LoopbackAddresses, Processes
 
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before by this process: the kernel may offer a
+    port again once its probe socket is closed, and a stack picks a dozen before any
+    process binds one (in a loop of stack tests, a gateway admin port was also NATS's)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class PortInUseError(OSError):
@@ -54,6 +63,11 @@ def common_port(hosts: list[str], pair: bool = False, tries: int = 200) -> int:
         if all(port_free(q, h) for h in hosts for q in ((p, p + 1) if pair else (p,))):
             return p
     raise OSError(f"no port free on all of {hosts}")
+
+
+def free_port_pair() -> int:
+    """A free port whose next one is free too: a KV-event publisher's (events, replay)."""
+    return common_port(["127.0.0.1"], pair=True)
 
 
 def check_port_free(port: int, what: str) -> None:

@@ -143,6 +143,7 @@ class VllmStack:
                 "--tokenizer", str(self.model / "tokenizer.json"),
                 "--vllm-hash-seed", self.spec.hash_seed,
                 "--kv-events-port", str(self.events_port),
+                "--cost", f"max_batch={self.spec.max_num_seqs}",
                 "--stall-after", f"{self.stall_after_s:.0f}"]
 
     def workers_status(self) -> list[dict[str, Any]]:

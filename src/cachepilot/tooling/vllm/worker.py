@@ -36,6 +36,10 @@ class VllmWorkerSpec:
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_gib: int = 1
+    # vLLM's own default for an API server on the CPU (engine/arg_utils.py,
+    # _set_default_max_num_seqs_and_batched_tokens_args), said explicitly because vLLM does
+    # not export it and the gateway must be told (--cost max_batch) to see a full batch.
+    max_num_seqs: int = 128
     hash_seed: str = HASH_SEED
     enforce_eager: bool = True
     served_name: str = SERVED_NAME
@@ -59,7 +63,7 @@ class VllmWorkerSpec:
                 "--host", host, "--port", str(port),
                 "--served-model-name", self.served_name,
                 "--max-model-len", str(self.max_model_len), "--dtype", "bfloat16",
-                "--block-size", str(self.block_size),
+                "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
                 "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
                 "--enable-prompt-tokens-details", "--disable-hybrid-kv-cache-manager",
                 *(["--enforce-eager"] if self.enforce_eager else []),
