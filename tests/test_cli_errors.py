@@ -92,6 +92,7 @@ def test_up_when_its_port_is_in_use() -> None:
     ["gateway", "--weights", "nosuch=1"],
     ["gateway", "--cost", "nosuch=1"],
     ["simulate", "--cost", "max_batch=many"],
+    ["simulate", "--cost", "max_batch=1.5"],
     ["replay", "log", "--weights", "prefill"],
 ])
 def test_bad_weights_and_cost(args: list[str]) -> None:

@@ -31,6 +31,10 @@ def parse_cost(text: str | None) -> CostModel:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cost") from None
     default = CostModel()
+    for k, v in overrides.items():
+        if isinstance(getattr(default, k), int) and not v.is_integer():
+            raise click.BadParameter(f"bad cost parameter {k}={v:g}: expected a whole number",
+                                     param_hint="--cost")
     return default.with_(**{k: type(getattr(default, k))(v) for k, v in overrides.items()})
 
 
