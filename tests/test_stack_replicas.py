@@ -52,9 +52,9 @@ def bus_counts(stack: LocalStack) -> list[tuple[int, int]]:
 
 def delivered(stack: LocalStack, before: list[tuple[int, int]], timeout_s: float = 10.0) -> None:
     """Until the request's placement is published (a message since ``before``) and every
-    replica has received what the others published since: the
-    bus's delivery, waited for rather than guessed (a fixed 50-ms sleep split a prefix
-    over two workers on a loaded CI machine)."""
+    replica has received what the others published since: delivery waited for, not guessed.
+    With a fixed 50-ms sleep a prefix once split over two workers on a loaded CI machine;
+    a late delivery is the likely cause (not reproduced here)."""
     deadline = time.monotonic() + timeout_s
     while True:
         now = bus_counts(stack)
