@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 
 from cachepilot.core import InferenceRequest, RequestError, WorkerMetrics
-from cachepilot.core.cost import CostModel
+from cachepilot.core.cost import CostModel, parse_cost
 
 from conftest import WORKERS, make_router
 
@@ -252,3 +252,12 @@ def test_a_full_batch_of_known_size_makes_every_place_in_line_wait_for_a_sequenc
     assert by[WORKERS[0]].queue_ms == pytest.approx(
         by[WORKERS[2]].queue_ms + 3 * CostModel().full_batch_wait_ms)
     assert d.chosen != WORKERS[0]
+
+
+def test_cost_overrides_keep_integer_parameters_whole() -> None:
+    """``--cost max_batch=128`` is the integer 128 for every command that takes it; a
+    fraction for an integer parameter is an error, never truncated."""
+    assert parse_cost("max_batch=128,base_ttft_ms=3") == {"max_batch": 128, "base_ttft_ms": 3.0}
+    assert isinstance(parse_cost("admission_limit=4.0")["admission_limit"], int)
+    with pytest.raises(ValueError, match="whole number"):
+        parse_cost("max_batch=1.5")

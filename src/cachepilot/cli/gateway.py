@@ -25,17 +25,11 @@ def parse_weights(text: str | None) -> Weights:
 
 
 def parse_cost(text: str | None) -> CostModel:
-    """``prefill_ms_per_token=0.2,…`` → CostModel (integer fields stay integers)."""
+    """``prefill_ms_per_token=0.2,…`` → CostModel."""
     try:
-        overrides = costs.parse_cost(text)
+        return CostModel().with_(**costs.parse_cost(text))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cost") from None
-    default = CostModel()
-    for k, v in overrides.items():
-        if isinstance(getattr(default, k), int) and not v.is_integer():
-            raise click.BadParameter(f"bad cost parameter {k}={v:g}: expected a whole number",
-                                     param_hint="--cost")
-    return default.with_(**{k: type(getattr(default, k))(v) for k, v in overrides.items()})
 
 
 def host_port(text: str, option: str) -> tuple[str, int]:

@@ -89,9 +89,11 @@ class Weights:
 
 def parse_overrides(text: str | None, cls: type, what: str) -> dict[str, float]:
     """``"prefill=1,load=2"`` → {"prefill": 1.0, "load": 2.0} for the fields of ``cls``
-    (:class:`Weights` or :class:`CostModel`); an unknown name or a bad number is a ValueError
-    that says what was expected."""
+    (:class:`Weights` or :class:`CostModel`); an integer field stays an integer. An unknown
+    name, a bad number or a fraction for an integer field is a ValueError that says what was
+    expected."""
     allowed = {f.name for f in fields(cls)}
+    defaults = cls()
     out: dict[str, float] = {}
     for part in (text or "").split(","):
         part = part.strip()
@@ -103,9 +105,14 @@ def parse_overrides(text: str | None, cls: type, what: str) -> dict[str, float]:
             raise ValueError(f"bad {what} {part!r}: expected NAME=NUMBER with NAME one of "
                              f"{', '.join(sorted(allowed))}")
         try:
-            out[name] = float(value)
+            number = float(value)
         except ValueError:
             raise ValueError(f"bad {what} {part!r}: {value!r} is not a number") from None
+        if isinstance(getattr(defaults, name), int):
+            if not number.is_integer():
+                raise ValueError(f"bad {what} {part!r}: {value!r} is not a whole number")
+            number = int(number)
+        out[name] = number
     return out
 
 
