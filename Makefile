@@ -40,7 +40,7 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 	$(BIN)/pip install --quiet -e '.[dev,llamacpp,peers]'
 	touch $@
 
-# CachePilot vs sglang-router and vllm-router on real llama.cpp workers (20 min on 2 idle cores, 35+ loaded).
+# CachePilot vs sglang-router and vllm-router on real llama.cpp workers (31–33 min on 2 quiet cores).
 real-peers: $(VENV)/.installed-peers
 	$(BIN)/cachepilot experiment real-peers --seeds 5 --out docs/results/real-peers --logs runs/real-peers-logs
 
