@@ -59,12 +59,12 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
-from cachepilot.gateway.protocol import lb_metadata
-from cachepilot.gateway.service import (
+from cachepilot.gateway.protocol import (
     BODY_METADATA,
     BODY_ONLY,
     BUFFERED_BODY,
     DESTINATION_HEADER,
+    lb_metadata,
 )
 from cachepilot.tooling.procs import wait_http_ok
 from cachepilot.tooling.stack import envoy_binary, free_port

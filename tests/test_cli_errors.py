@@ -118,7 +118,7 @@ def test_missing_decision_log(tmp_path: Path) -> None:
 
 
 def test_explain_help_names_the_response_header() -> None:
-    from cachepilot.gateway.service import DECISION_HEADER
+    from cachepilot.gateway.protocol import DECISION_HEADER
 
     out = run("explain", "--help")
     assert out.exit_code == 0 and DECISION_HEADER in out.output

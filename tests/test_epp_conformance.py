@@ -14,8 +14,8 @@ from cachepilot.conformance import RULES, Report, SuiteConfig, run_suite
 from cachepilot.conformance.suite import MODEL, REWRITE_TARGET
 from cachepilot.core import BlockConfig, Weights
 from cachepilot.core.router import static_router
+from cachepilot.gateway.director import GatewayOptions
 from cachepilot.gateway.server import GatewayConfig
-from cachepilot.gateway.service import GatewayOptions
 from cachepilot.tooling.stack import envoy_binary, free_port
 
 from gateway_thread import GatewayThread

@@ -6,11 +6,12 @@ from __future__ import annotations
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from gateway_box import Box
 from google.protobuf import struct_pb2
 
 from cachepilot.core.router import Router
+from cachepilot.gateway.director import GatewayOptions
 from cachepilot.gateway.epp import EppStream, allowed, served_endpoint, subset_hint
-from cachepilot.gateway.processor import GatewayOptions, Processor
 from cachepilot.gateway.protocol import (
     BODY_CHUNK_LIMIT,
     DESTINATION_HEADER,
@@ -34,9 +35,9 @@ def _meta(msg: ep.ProcessingRequest, namespace: str, key: str, value: object
     return msg
 
 
-def _stream(router: Router | None = None) -> tuple[EppStream, Processor]:
-    p = Processor(router or make_router(models=("m", "m2")), clock=lambda: 100.0)
-    return EppStream(p), p
+def _stream(router: Router | None = None) -> tuple[EppStream, Box]:
+    p = Box(router or make_router(models=("m", "m2")))
+    return p.epp(), p
 
 
 def _payload(model: str = "m", prompt: str = "hello", **kw: object) -> bytes:
@@ -134,7 +135,7 @@ def test_errors_map_as_the_reference(payload: bytes, status: int) -> None:
 
 def test_saturated_pool_is_a_429() -> None:
     s, _ = _stream()
-    s.p.clock = lambda: 10_000.0  # every worker's metrics are stale: unobserved, shed
+    s.d.clock = lambda: 10_000.0  # every worker's metrics are stale: unobserved, shed
     s.handle(headers("/v1/completions"))
     assert s.handle(body(_payload()))[0].immediate_response.status.code == 429
 
@@ -182,8 +183,7 @@ def test_failover_reported_by_the_proxy_marks_the_chosen_worker_down() -> None:
 
 
 def test_body_over_the_limit_is_a_413() -> None:
-    p = Processor(make_router(), options=GatewayOptions(max_body_bytes=1000), clock=lambda: 100.0)
-    s = EppStream(p)
+    s = Box(options=GatewayOptions(max_body_bytes=1000)).epp()
     s.handle(headers("/v1/completions"))
     assert s.handle(body(b"x" * 800, eos=False)) == []
     assert s.handle(body(b"x" * 800, eos=False))[0].immediate_response.status.code == 413
@@ -193,7 +193,7 @@ def test_body_over_the_limit_is_a_413() -> None:
     ("auto", True, False), ("auto", False, True), ("epp", True, True),
     ("cachepilot", False, False)])
 def test_protocol_choice(protocol: str, ours: bool, epp: bool) -> None:
-    servicer = ExtProcServicer(Processor(make_router(), options=GatewayOptions(protocol=protocol)))
+    servicer = ExtProcServicer(Box(options=GatewayOptions(protocol=protocol)).director)
     assert servicer._epp(ours) is epp
 
 
@@ -202,19 +202,11 @@ def test_served_endpoint_absent() -> None:
 
 
 def test_who_answered_is_recorded() -> None:
-    outcomes: list[dict[str, object]] = []
-
-    class Sink:
-        def decision(self, *_: object, **__: object) -> None:
-            pass
-
-        def outcome(self, decision_id: str, **fields: object) -> None:
-            outcomes.append(fields)
-
-    p = Processor(make_router(models=("m",)), sink=Sink(), clock=lambda: 100.0)
-    s = EppStream(p)
+    p = Box(make_router(models=("m",)))
+    s = p.epp()
     s.handle(headers("/v1/completions"))
     dest = set_headers(s.handle(body(_payload()))[0])[DESTINATION_HEADER]
     s.handle(_meta(headers("", response=True), LB_METADATA_NAMESPACE, SERVED_KEY, dest))
     s.handle(body(b"{}", eos=True, response=True))
-    assert outcomes and outcomes[0]["answered_by"] == dest and outcomes[0]["status"] == 200
+    [outcome] = p.sink.outcomes.values()
+    assert outcome["extra"]["answered_by"] == dest and outcome["status"] == 200

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from gateway_box import Box
 
 from cachepilot.core import WorkerMetrics
 from cachepilot.core.lifecycle import Plugin
-from cachepilot.gateway.service import (
+from cachepilot.gateway.envoy_streams import RoutingStream
+from cachepilot.gateway.protocol import (
     DESTINATION_HEADER,
     ERROR_HEADER,
     LB_METADATA_NAMESPACE,
     WORKER_HEADER,
-    Exchange,
-    Processor,
 )
 
 from conftest import WORKERS, make_router
@@ -31,38 +31,38 @@ class FirstTokens(Plugin):
 
 
 @pytest.fixture
-def proc() -> Processor:
+def proc() -> Box:
     now = [100.0]
-    p = Processor(make_router(), clock=lambda: now[0])
+    first_tokens = FirstTokens()
+    p = Box(clock=lambda: now[0], plugins=[first_tokens])
     p.now = now  # type: ignore[attr-defined]
-    p.first_tokens = FirstTokens()  # type: ignore[attr-defined]
-    p.router.add_plugin(p.first_tokens)  # type: ignore[attr-defined]
+    p.first_tokens = first_tokens  # type: ignore[attr-defined]
     return p
 
 
-def route(proc: Processor, stream: bool = True) -> tuple[Exchange, list]:
+def route(proc: Box, stream: bool = True) -> tuple[RoutingStream, list]:
     raw = orjson.dumps({"model": "m", "stream": stream,
                         "messages": [{"role": "user", "content": "hello " * 50}]})
-    ex = Exchange()
-    assert proc.handle(ex, headers("/v1/chat/completions", content_length=str(len(raw)))) == []
-    return ex, proc.handle(ex, body(raw))
+    s = RoutingStream()
+    assert proc.handle(s, headers("/v1/chat/completions", content_length=str(len(raw)))) == []
+    return s, proc.handle(s, body(raw))
 
 
 def test_the_fallback_list_is_the_chosen_worker_then_the_runner_ups(proc) -> None:
-    ex, out = route(proc)
+    s, out = route(proc)
     md = out[0].dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value
     order = md.fields[DESTINATION_HEADER].string_value.split(",")
-    assert order[0] == ex.decision.chosen and sorted(order) == sorted(WORKERS)
-    values = {c.worker: c.value for c in ex.decision.candidates}
+    assert order[0] == s.ex.decision.chosen and sorted(order) == sorted(WORKERS)
+    values = {c.worker: c.value for c in s.ex.decision.candidates}
     assert values[order[1]] >= values[order[2]]
 
 
 def test_an_envoy_error_is_not_a_first_token_and_marks_an_unreachable_worker_down(proc) -> None:
-    ex, _ = route(proc)
-    chosen = ex.decision.chosen
-    proc.handle(ex, headers("", response=True, status="503",
+    s, _ = route(proc)
+    chosen = s.ex.decision.chosen
+    proc.handle(s, headers("", response=True, status="503",
                             **{WORKER_HEADER: chosen, ERROR_HEADER: "worker_unreachable"}))
-    proc.handle(ex, body(b'{"error":{"message":"worker unreachable"}}', response=True))
+    proc.handle(s, body(b'{"error":{"message":"worker unreachable"}}', response=True))
     assert proc.first_tokens.seen == []  # type: ignore[attr-defined]
     w = proc.router.pools["default"].workers[chosen]
     assert not w.ready and "connect" in w.down
@@ -73,38 +73,38 @@ def test_an_envoy_error_is_not_a_first_token_and_marks_an_unreachable_worker_dow
 
 
 def test_an_answer_from_the_runner_up_is_not_the_chosen_workers_first_token(proc) -> None:
-    ex, _ = route(proc)
-    chosen = ex.decision.chosen
+    s, _ = route(proc)
+    chosen = s.ex.decision.chosen
     other = next(w for w in WORKERS if w != chosen)
-    proc.handle(ex, headers("", response=True, **{WORKER_HEADER: other}))
-    proc.handle(ex, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=True,
+    proc.handle(s, headers("", response=True, **{WORKER_HEADER: other}))
+    proc.handle(s, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=True,
                          response=True))
     assert proc.first_tokens.seen == []  # type: ignore[attr-defined]
     assert "connect" in proc.router.pools["default"].workers[chosen].down
 
 
 def test_a_worker_error_is_not_a_first_token_but_a_2xx_is(proc) -> None:
-    ex, _ = route(proc)
-    proc.handle(ex, headers("", response=True, status="500",
-                            **{WORKER_HEADER: ex.decision.chosen}))
-    proc.handle(ex, body(b'{"error":"boom"}', response=True))
+    s, _ = route(proc)
+    proc.handle(s, headers("", response=True, status="500",
+                            **{WORKER_HEADER: s.ex.decision.chosen}))
+    proc.handle(s, body(b'{"error":"boom"}', response=True))
     assert proc.first_tokens.seen == []  # type: ignore[attr-defined]
-    ex, _ = route(proc)
-    proc.handle(ex, headers("", response=True, **{WORKER_HEADER: ex.decision.chosen}))
-    proc.handle(ex, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=True,
+    s, _ = route(proc)
+    proc.handle(s, headers("", response=True, **{WORKER_HEADER: s.ex.decision.chosen}))
+    proc.handle(s, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=True,
                          response=True))
     assert len(proc.first_tokens.seen) == 1  # type: ignore[attr-defined]
 
 
 def test_a_worker_whose_requests_get_no_first_byte_is_stalled(proc) -> None:
-    ex, _ = route(proc)
-    chosen = ex.decision.chosen
-    assert proc.stalled(105.0, after_s=10.0) == {}
-    why = proc.stalled(111.0, after_s=10.0)
+    s, _ = route(proc)
+    chosen = s.ex.decision.chosen
+    assert proc.stalls.stalled(105.0, after_s=10.0) == {}
+    why = proc.stalls.stalled(111.0, after_s=10.0)
     assert list(why) == [chosen] and "no first byte for 11.0s" in why[chosen]
     proc.now[0] = 111.0  # type: ignore[attr-defined]
-    proc.handle(ex, headers("", response=True, **{WORKER_HEADER: chosen}))
-    assert proc.stalled(112.0, after_s=10.0) == {}
+    proc.handle(s, headers("", response=True, **{WORKER_HEADER: chosen}))
+    assert proc.stalls.stalled(112.0, after_s=10.0) == {}
 
 
 def test_no_ready_worker_names_the_reasons_and_says_when_to_retry(proc) -> None:

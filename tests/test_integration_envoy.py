@@ -12,8 +12,9 @@ import pytest
 
 from cachepilot.core import BlockConfig, Weights, WorkerMetrics
 from cachepilot.core.router import static_router
+from cachepilot.gateway.director import GatewayOptions
+from cachepilot.gateway.protocol import DESTINATION_HEADER
 from cachepilot.gateway.server import GatewayConfig
-from cachepilot.gateway.service import DESTINATION_HEADER, GatewayOptions
 from cachepilot.tooling.stack import LocalStack, StackConfig, free_port
 
 from conftest import have_envoy, until
@@ -185,7 +186,7 @@ def test_every_error_code_comes_back_through_envoy(embedded) -> None:
     ok = httpx.post(url, json=chat("fine", prefix="short"), timeout=30)
     assert ok.status_code == 200
     big = httpx.post(url, json=chat("x" * 60_000), timeout=30)
-    assert big.status_code == 413 and "limit is 50000" in big.json()["error"]["message"]
+    assert big.status_code == 413 and "limit of 50000" in big.json()["error"]["message"]
     other = httpx.post(url, json={**chat("x", prefix="s"), "model": "gpt-9"}, timeout=30)
     assert other.status_code == 404 and "gpt-9" in other.json()["error"]["message"]
 

@@ -134,7 +134,7 @@ def test_the_simulator_learns_each_engines_speed_and_predicts_within_15_percent(
     est = s.predictor.estimates()
     for addr, truth in TRUE_PREFILL.items():
         assert est[addr]["prefill_ms_per_token"] == pytest.approx(truth, rel=0.3), addr
-    late = run.outcomes[len(run.outcomes) // 2:]
+    late = run.results[len(run.results) // 2:]
     rel = [abs(o.ttft_s - o.predicted_ttft_s) / o.ttft_s for o in late if o.ttft_s]
     assert float(np.median(rel)) < 0.15
 

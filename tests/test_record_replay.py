@@ -21,6 +21,7 @@ from cachepilot.core import (
     WorkerMetrics,
 )
 from cachepilot.core.cost import parse_weights
+from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.workers import TTFTParams
 from cachepilot.records import Recorder, open_log
 from cachepilot.records.explain import plain_reason, summary
@@ -64,9 +65,9 @@ def record_run(path: Path, policy: str, n: int = 300, seed: int = 7,
             if i % 3:
                 router.first_token(d)
                 # Measured = predicted + a known error, so stats can be checked exactly.
-                rec.outcome(d.id, status=200, ttft_kind="first_token",
+                rec.outcome(d.id, Outcome(status=200, ttft_kind="first_token",
                             ttft_ms=d.winner.predicted_ttft_ms + ERRORS_MS[i % len(ERRORS_MS)],
-                            cached_tokens=d.winner.matched_tokens if rng.random() < 0.9 else 0)
+                            cached_tokens=d.winner.matched_tokens if rng.random() < 0.9 else 0))
             if i % 2:
                 router.release(d)
             ids.append(d.id)
@@ -142,7 +143,7 @@ def test_a_record_from_before_the_full_batch_wait_was_learned_still_reads() -> N
         "ms_per_queued": 40.0}}]}
     (c,) = record_to_candidates(old)
     assert c.batch_waits == 0
-    assert c.ttft_params == TTFTParams(20.0, 0.1, 0.2, 40.0, 0.0)
+    assert c.state.ttft == TTFTParams(20.0, 0.1, 0.2, 40.0, 0.0)
 
 
 def test_replay_mixed_policies_log(logs: dict[str, Path]) -> None:
@@ -263,15 +264,13 @@ def test_simulator_log_replays_and_simulates(tmp_path: Path) -> None:
     for policy in ("priced", "least_loaded"):
         path = tmp_path / policy
         with Recorder(path, source="sim") as rec:
-            s = sim.Simulator(sim.SimConfig(workers=3, policy=policy))
-            s.on_decision = lambda d, o, rec=rec, s=s: rec.on_decision(d, o, pool=s.pool)
-            run = s.run(wl)
+            run = sim.Simulator(sim.SimConfig(workers=3, policy=policy), sink=rec).run(wl)
         recs = records(path)
-        assert len(recs) == len(run.outcomes)
+        assert len(recs) == len(run.results)
         assert all(r["outcome"]["ttft_kind"] == "first_token" for r in recs)
         assert replay(recs).changed == 0  # the learned TTFT models are in the record
     result = simulate_log(recs, policy="round_robin")
-    mean = sum(o.ttft_s for o in run.outcomes) / len(run.outcomes)
+    mean = sum(o.ttft_s for o in run.results) / len(run.results)
     # Same arrivals, same policy, same engine model: the simulator reproduces the run.
     assert result["simulated"]["recorded_policy"]["ttft_mean_s"] == pytest.approx(mean)
     assert result["simulated"]["replayed_policy"]["policy"] == "round_robin"

@@ -16,12 +16,14 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router, WorkerMetrics
+from cachepilot.core.lifecycle import Outcome
 from cachepilot.records import NullRecorder, Recorder, open_log, open_recorder
 from cachepilot.records.schema import (
     SCHEMA_VERSION,
     check_record,
     decision_to_record,
     hash_int,
+    outcome_fields,
 )
 from cachepilot.records.store import Store
 
@@ -56,8 +58,9 @@ def test_record_roundtrip_and_outcome_merge(tmp_path: Path) -> None:
     with Recorder(tmp_path / "log") as rec:
         for d in decisions:
             assert rec.decision(d, pool)
-        rec.outcome(decisions[3].id, status=200, ttft_ms=41.5, ttft_kind="first_token")
-        rec.outcome(decisions[3].id, cached_tokens=0, completed_at=9.5, completion_tokens=12)
+        rec.outcome(decisions[3].id, Outcome(status=200, ttft_ms=41.5, ttft_kind="first_token"))
+        rec.outcome(decisions[3].id,
+                    Outcome(cached_tokens=0, completed_at=9.5, completion_tokens=12))
         assert rec.flush()
         got = rec.get(decisions[3].id)  # read through the writer's own environment
         assert got is not None and got["outcome"]["ttft_ms"] == 41.5
@@ -92,8 +95,8 @@ def test_gateway_calls_as_made_by_the_ext_proc_processor(tmp_path: Path) -> None
     with Recorder(tmp_path / "log", router=router) as rec:
         for d, kind in ((d1, "first_token"), (d2, "first_byte")):
             rec.decision(d)
-            rec.outcome(d.id, status=200, aborted=False, ttft_ms=30.0, ttft_kind=kind,
-                        first_byte_ms=5.0, cached_tokens=None, completed_at=3.0)
+            rec.outcome(d.id, Outcome(status=200, aborted=False, ttft_ms=30.0, ttft_kind=kind,
+                        first_byte_ms=5.0, completed_at=3.0))
     log = open_log(tmp_path / "log")
     r1, r2 = log.get(d1.id), log.get(d2.id)
     assert r1["cost"] == pool.spec.cost.to_dict() and "metrics" in r1["candidates"][0]
@@ -112,15 +115,20 @@ def test_schema_version_checked() -> None:
         check_record({**rec, "schema_version": SCHEMA_VERSION + 1})
 
 
-def test_outcome_field_types_checked(tmp_path: Path) -> None:
-    with Recorder(tmp_path / "log") as rec, pytest.raises(TypeError, match="ttft_ms"):
-        rec.outcome("a", ttft_ms="fast")
+def test_an_outcome_is_stored_as_what_it_says() -> None:
+    """Unknowns (None) are left out, so a later report can fill them in; who answered goes
+    under ``extra``; whether the driver observed the end is the driver's, not stored."""
+    fields = outcome_fields(Outcome(status=200, ttft_ms=12.5, ttft_kind="first_token",
+                                    answered_by="10.0.0.1:8000", observed=True))
+    assert fields == {"status": 200, "ttft_ms": 12.5, "ttft_kind": "first_token",
+                      "aborted": False, "extra": {"answered_by": "10.0.0.1:8000"}}
 
 
 _KILLED_WRITER = textwrap.dedent("""
     import sys
     sys.path[:0] = {paths!r}
     from tests.test_record_store import make_router, route
+    from cachepilot.core.lifecycle import Outcome
     from cachepilot.records import Recorder
 
     router, pool = make_router()
@@ -129,7 +137,7 @@ _KILLED_WRITER = textwrap.dedent("""
     while True:
         for d in route(router, 100):
             rec.decision(d, pool)
-            rec.outcome(d.id, status=200, ttft_ms=50.0, ttft_kind="first_token")
+            rec.outcome(d.id, Outcome(status=200, ttft_ms=50.0, ttft_kind="first_token"))
             n += 1
         rec.flush()
         print(f"committed {{n}} {{d.id}}", flush=True)
@@ -245,7 +253,7 @@ def test_normal_load_drops_nothing(tmp_path: Path) -> None:
     with Recorder(tmp_path / "log") as rec:
         for d in decisions:
             assert rec.decision(d, pool)
-            assert rec.outcome(d.id, status=200, ttft_ms=20.0, ttft_kind="first_token")
+            assert rec.outcome(d.id, Outcome(status=200, ttft_ms=20.0, ttft_kind="first_token"))
     assert rec.dropped == {} and rec.written == {"decision": 3000, "outcome": 3000}
     log = open_log(tmp_path / "log")
     recs = list(log.records(chunk=700))  # iteration resumes correctly across chunks
@@ -263,14 +271,14 @@ def test_metrics_go_to_the_given_registry(tmp_path: Path) -> None:
     assert registry.get_sample_value("cachepilot_decision_records_written_total",
                                      {"kind": "decision"}) == 5
     with Recorder(tmp_path / "log2", registry=registry) as rec:  # a second one shares them
-        rec.outcome("missing", status=500)
+        rec.outcome("missing", Outcome(status=500))
     assert registry.get_sample_value("cachepilot_decision_records_dropped_total",
                                      {"kind": "outcome", "reason": "no_decision"}) == 1
 
 
 def test_orphan_outcome_is_counted(tmp_path: Path) -> None:
     with Recorder(tmp_path / "log") as rec:
-        rec.outcome("never-recorded", status=200)
+        rec.outcome("never-recorded", Outcome(status=200))
         rec.flush()
         assert rec.dropped == {"outcome:no_decision": 1}
         assert rec.store.outcome_count() == 0

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cachepilot.core import InferenceRequest, Pool, PoolSpec, Router
+from cachepilot.core.lifecycle import FIRST_TOKEN, Plugin
 from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate, ideal_ttfts, simulate
 from cachepilot.sim.engine import EngineConfig
@@ -24,16 +25,29 @@ def wl(kind: str, seed: int = 1, **kw):
     return generate(WorkloadSpec(kind, duration=kw.pop("duration", SHORT), **kw), seed)
 
 
+class Finished(Plugin):
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_finish(self, decision, outcome) -> None:
+        self.seen.append((decision, outcome))
+
+
 def test_events_in_time_order_and_outcomes_consistent():
-    seen = []
+    finished = Finished()
     w = wl("shared_prefix")
-    run = simulate(w, SimConfig(policy="priced"), on_decision=lambda d, o: seen.append((d, o)))
-    assert len(seen) == len(w) == len(run.outcomes)
-    finishes = [o.finished_at for _, o in seen]
-    assert finishes == sorted(finishes)  # callbacks fire in virtual-time order
+    run = simulate(w, SimConfig(policy="priced"), plugins=[finished])
+    assert len(finished.seen) == len(w) == len(run.results)
+    finishes = [o.completed_at for _, o in finished.seen]
+    assert finishes == sorted(finishes)  # the lifecycle ends in virtual-time order
+    results = {f"r{r.request_id}": r for r in run.results}
     step = EngineConfig().step_ms / 1000
-    for d, o in seen:
-        assert d is not None and d.chosen == o.worker
+    for d, outcome in finished.seen:
+        o = results[d.id]
+        assert d.chosen == o.worker and outcome.completed_at == o.finished_at
+        assert outcome.ttft_ms == pytest.approx(o.ttft_s * 1000.0)
+        assert outcome.cached_tokens == o.cached_tokens
+        assert outcome.ttft_kind == FIRST_TOKEN and outcome.status == 200
         assert o.first_token_at >= o.arrival + step - 1e-9
         assert o.finished_at >= o.first_token_at
         assert o.ttft_s == pytest.approx(o.first_token_at - o.arrival)
@@ -112,8 +126,8 @@ def test_trace_round_trip(tmp_path):
                 ' 16, 17], "max_tokens": 4}\n')
     spec = WorkloadSpec("trace", path=str(path))
     run = simulate(generate(spec, 0), SimConfig())
-    assert all(o.finished_at is not None for o in run.outcomes)
-    assert len(run.outcomes) == len(w) + 1
+    assert all(o.finished_at is not None for o in run.results)
+    assert len(run.results) == len(w) + 1
 
 
 def test_ideal_bound_is_below_every_policy():
@@ -130,10 +144,10 @@ def test_stale_metrics_make_workers_ineligible():
     requests are rejected (429), as the gateway would answer."""
     w = wl("shared_prefix", duration=20)
     run = simulate(w, SimConfig(scrape_interval_s=8.0))
-    rejected = [o for o in run.outcomes if o.rejected]
+    rejected = [o for o in run.results if o.rejected]
     assert rejected and all(o.rejected == "overloaded" for o in rejected)
     fresh = simulate(w, SimConfig(scrape_interval_s=0.0))
-    assert not any(o.rejected for o in fresh.outcomes)
+    assert not any(o.rejected for o in fresh.results)
 
 
 def test_simulator_and_direct_router_choose_the_same_worker():

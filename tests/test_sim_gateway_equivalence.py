@@ -4,10 +4,10 @@ replay of the gateway's decision log.
 The simulator drives the core directly; the gateway reaches it through Envoy's ext_proc
 messages (JSON body → token fingerprint → route → destination header); replay rebuilds the
 router's inputs from the log and calls the same ``Router.decide``. Record what the simulator
-fed the core, feed the same requests (as OpenAI bodies with token-id prompts), metric snapshots
-and clock to the gateway's Processor with a decision log, then replay that log. Run it under
-the default pricing and under a changed one: all three move together, because there is one
-pricing.
+fed the core, feed the same requests (as OpenAI bodies with token-id prompts), metric
+snapshots and clock to the gateway's director and Envoy streams with a decision log, then
+replay that log. Run it under the default pricing and under a changed one: all three move
+together, because there is one pricing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import pytest
 
 from cachepilot.core import Pool, Router
 from cachepilot.core import router as router_module
-from cachepilot.core.predictor import TTFTPredictor
-from cachepilot.gateway.service import DESTINATION_HEADER, Exchange, Processor
+from cachepilot.gateway.director import Director
+from cachepilot.gateway.envoy_streams import EnvoyStreams, RoutingStream
+from cachepilot.gateway.protocol import DESTINATION_HEADER
 from cachepilot.records import Recorder, open_log
+from cachepilot.records.plugins import lifecycle_plugins
 from cachepilot.records.replay import replay
 from cachepilot.sim import SimConfig, Simulator, WorkloadSpec, generate
 from cachepilot.sim.workloads import MODEL, _Tokens
@@ -49,15 +51,16 @@ def run_three_drivers(log: Path) -> tuple[Choices, Choices, Choices]:
     pool = Pool(sim.pool.spec)
     for addr in sim.pool.workers:
         pool.upsert_worker(addr)
-    # The gateway learns each worker's TTFT model from streamed first tokens, as the
-    # simulator does from its engines'.
-    gateway_router = Router([pool], plugins=[TTFTPredictor()])
     clock = [0.0]
     routed_at: dict[str, float] = {}
     gateway_choices: Choices = {}
-    with Recorder(log, router=gateway_router) as sink:
-        proc = Processor(gateway_router, sink=sink, clock=lambda: clock[0])
-        exchanges: dict[str, Exchange] = {}
+    with Recorder(log) as sink:
+        # The gateway's plugins from the same factory as the simulator's: it learns each
+        # worker's TTFT model from streamed first tokens, as the simulator does from its
+        # engines', and records every decision.
+        gateway_router = Router([pool], plugins=lifecycle_plugins(sink=sink).plugins)
+        proc = EnvoyStreams(Director(gateway_router, clock=lambda: clock[0]))
+        exchanges: dict[str, RoutingStream] = {}
         for call in calls:
             if call[0] == "metrics":
                 pool.update_metrics(call[1], call[2])
@@ -67,12 +70,12 @@ def run_three_drivers(log: Path) -> tuple[Choices, Choices, Choices]:
                 gateway_router.next_id = lambda did=d.id: did  # same id → same tie-break
                 raw = orjson.dumps({"model": MODEL, "prompt": prompts[d.id], "max_tokens": 16,
                                     "stream": True})
-                ex = exchanges[d.id] = Exchange()
+                ex = exchanges[d.id] = RoutingStream()
                 assert proc.handle(ex, headers("/v1/completions",
                                                content_length=str(len(raw)))) == []
                 out = proc.handle(ex, body(raw))
                 gateway_choices[d.id] = set_headers(out[0])[DESTINATION_HEADER]
-                assert [c.value for c in ex.decision.candidates] == \
+                assert [c.value for c in ex.ex.decision.candidates] == \
                     pytest.approx([c.value for c in d.candidates], rel=1e-9)
             elif call[0] == "first":  # the first streamed chunk, when the engine made it
                 _, did, ttft_ms = call

@@ -12,6 +12,7 @@ from cachepilot.core import Fingerprint, InferenceRequest, Weights
 from cachepilot.core.decision import Candidate, Decision
 from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.policies import LIVE_POLICIES, Context
+from cachepilot.core.workers import WorkerSnapshot
 from cachepilot.sim import SimConfig, WorkloadSpec, generate, simulate
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.peers import (
@@ -32,9 +33,10 @@ def ctx(tokens=320, seq=0, hashes=None, user_start=0):
 
 
 def cand(worker, matched_blocks=0, waiting=0, inflight=0, kv=0.0, queue_ms=0.0):
-    return Candidate(worker=worker, matched_blocks=matched_blocks,
-                     matched_tokens=matched_blocks * 16, waiting=waiting, inflight=inflight,
-                     kv_usage=kv, queue_ms=queue_ms, saved_ms=matched_blocks * 16 * 0.08)
+    return Candidate(worker=worker, state=WorkerSnapshot(worker, inflight=inflight),
+                     matched_blocks=matched_blocks, matched_tokens=matched_blocks * 16,
+                     waiting=waiting, kv_usage=kv, queue_ms=queue_ms,
+                     saved_ms=matched_blocks * 16 * 0.08)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +127,7 @@ def test_dynamo_cost_counts_active_blocks_once_and_pending_prefill():
                              (*shared, 200 + i), [], "a", 0, ""), None)
     req = ctx(320, hashes=[*shared, *range(300, 310)])  # 20 blocks, the first 10 shared
     a = cand("a", matched_blocks=10)
-    a.pending_prefill_tokens = 160  # one of them is still in prefill
+    a.state = WorkerSnapshot("a", pending_prefill_tokens=160)  # one is still in prefill
     v = d.values([a, cand("b")], req)
     # a: (320 − 160 + 160)/16 = 20 prefill blocks; active 13 distinct + 10 new = 23
     # b: 320/16 = 20 prefill blocks; active 0 + 20 new = 20

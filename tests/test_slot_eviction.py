@@ -127,9 +127,15 @@ def test_replay_restores_the_eviction_price_and_decides_alike() -> None:
 
     spec = LLAMA_WORKLOADS["hotspot"].with_(duration=120.0)
     records: list[dict] = []
-    sim = Simulator(SimConfig(workers=2, engine=LLAMA_ENGINE))
-    sim.on_decision = lambda d, out: d is not None and records.append(
-        decision_to_record(d, pool=sim.pool))
+
+    class Records:  # a decision log in memory
+        def decision(self, d, pool=None, *, prompt=None) -> None:
+            records.append(decision_to_record(d, pool=pool))
+
+        def outcome(self, decision_id, outcome) -> None:
+            pass
+
+    sim = Simulator(SimConfig(workers=2, engine=LLAMA_ENGINE), sink=Records())
     summary = summarize(sim.run(generate(spec, 3)))
     assert summary["requests"] == len(records) > 20
     priced = [r for r in records if any(c["eviction_ms"] > 0 for c in r["candidates"])]

@@ -129,9 +129,9 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
+    from cachepilot.gateway.director import GatewayOptions
     from cachepilot.gateway.kv_events import port_endpoints
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
-    from cachepilot.gateway.service import GatewayOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if admin_host not in ("127.0.0.1", "localhost", "::1") and not admin_token:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from cachepilot.core.workers import TTFTParams, WorkerMetrics, WorkerState
+from cachepilot.core.workers import TTFTParams, WorkerMetrics, WorkerSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +135,7 @@ class Load:
     age_s: float | None
 
 
-def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
+def effective_load(worker: WorkerSnapshot, now: float, cost: CostModel) -> Load:
     """The scraped queue plus requests this router sent that the scrape has not seen yet;
     missing or stale metrics → saturated, never idle (an unobserved worker is the one most
     likely to be in trouble)."""
@@ -151,7 +151,7 @@ def effective_load(worker: WorkerState, now: float, cost: CostModel) -> Load:
                 kv_usage=m.kv_usage if m.kv_usage is not None else 0.0, stale=False, age_s=age)
 
 
-def ahead_of(load: Load, worker: WorkerState, typical_uncached: float,
+def ahead_of(load: Load, worker: WorkerSnapshot, typical_uncached: float,
              cost: CostModel) -> tuple[int, int, int]:
     """What is ahead of a new request on ``worker``: (prefill tokens, requests waiting for
     admission, places in line behind a full batch). Waiting requests count in the first two
@@ -192,7 +192,7 @@ def congestion_ms_of(prefill_ms: float, arrivals_per_ms: float, backlog_ms: floa
             * (backlog_ms + prefill_ms / 2.0))
 
 
-def kv_pressure_ms(load: Load, new_blocks: int, worker: WorkerState, cost: CostModel) -> float:
+def kv_pressure_ms(load: Load, new_blocks: int, worker: WorkerSnapshot, cost: CostModel) -> float:
     """Grows quadratically from the threshold to a full cache, counting the blocks this
     request would add where the worker's block count is known."""
     usage = load.kv_usage

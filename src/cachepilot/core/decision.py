@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from cachepilot.core.request import RequestError
-from cachepilot.core.workers import TTFTParams, WorkerMetrics
+from cachepilot.core.request import InferenceRequest, RequestError
+from cachepilot.core.workers import WorkerSnapshot
 
 
 class RoutingError(RequestError):
@@ -15,9 +14,13 @@ class RoutingError(RequestError):
 
 @dataclass(slots=True)
 class Candidate:
+    """One worker as a decision priced it: its state (a snapshot), the features read from
+    it, and every priced term in ms."""
+
     worker: str
+    state: WorkerSnapshot  # what the worker looked like to this decision (replay rebuilds it)
     eligible: bool = True
-    filtered: str | None = None  # why not eligible: "not_ready", "stale", "full"
+    filtered: str | None = None  # why not eligible: "not_ready", "stale", "full", "subset"
     matched_blocks: int = 0
     matched_tokens: int = 0
     waiting: int = 0
@@ -25,7 +28,6 @@ class Candidate:
     queued: int = 0  # requests waiting for admission ahead of it (a feature)
     batch_waits: int = 0  # places in line behind a full batch, its own included (a feature)
     ahead_tokens: int = 0  # prefill tokens queued ahead of it (a feature; see core.cost)
-    inflight: int = 0
     kv_usage: float = 0.0
     metrics_age_ms: float | None = None
     # Priced terms, all in ms of TTFT.
@@ -43,16 +45,15 @@ class Candidate:
     eviction_ms: float = 0.0
     predicted_ttft_ms: float = 0.0
     value: float = 0.0  # what the policy maximised
-    # The worker's state as priced, so replay can rebuild it and call the same decide():
-    ready: bool = True
-    metrics: WorkerMetrics | None = None  # the scrape in force (its own clock: scraped_at)
-    pending_requests: int = 0
-    pending_prefill_tokens: int = 0
-    batch_cap_seen: int = 0
-    ttft_params: TTFTParams | None = None  # learned (None: the pool's prior)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def inflight(self) -> int:
+        """Requests this router had sent there that had not finished."""
+        return self.state.inflight
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.state.pending_prefill_tokens
 
 
 @dataclass(slots=True)
@@ -78,6 +79,11 @@ class Decision:
     finished: bool = False  # released: the lifecycle's end has been reported
     arrival_rate: float = 0.0  # the pool's recent requests/s, which prices congestion
     typical_uncached: float = 0.0  # what a waiting request someone else sent is assumed to be
+    # What the driver routed (never recorded: the prompt stays out of records unless the
+    # recording plugin is told to capture it). None when replayed from a record.
+    request: InferenceRequest | None = field(default=None, repr=False, compare=False)
+    # Seconds from the driver's start (parse included) to the booked decision; 0 unknown.
+    latency_s: float = 0.0
 
     @property
     def winner(self) -> Candidate:

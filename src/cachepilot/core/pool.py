@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig
 from cachepilot.core.policies import Policy, make_policy
-from cachepilot.core.workers import WorkerMetrics, WorkerState
+from cachepilot.core.workers import WorkerMetrics, WorkerSnapshot, WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,24 @@ class Pool:
         self._rate_at = 0.0
         self.typical_uncached = 0.0
 
+    @classmethod
+    def restored(cls, spec: PoolSpec, policy: Policy, workers: Iterable[WorkerSnapshot], *,
+                 seq: int, now: float, arrival_rate: float, typical_uncached: float,
+                 held: Mapping[str, Sequence[int]], evictions: Mapping[str, float]) -> Pool:
+        """The pool as one recorded decision saw it (replay): its workers as priced, in the
+        recorded order, each holding the prefix blocks it was matched on, the eviction
+        prices as recorded, the decision counter and the recent traffic."""
+        pool = cls(spec, policy)
+        pool.seq = seq
+        pool._rate, pool._rate_at = arrival_rate, now
+        pool.typical_uncached = typical_uncached
+        for snap in workers:
+            pool.workers[snap.address] = WorkerState.from_snapshot(snap)
+            pool.directory.add_worker(snap.address)
+            pool.directory.insert(snap.address, held.get(snap.address, ()))
+            pool.directory.restore_eviction(snap.address, evictions.get(snap.address, 0.0))
+        return pool
+
     # Bursts come and go within seconds: a longer window would still be pricing the lull
     # when a burst's first requests need the congestion term.
     RATE_WINDOW_S = 2.0
@@ -48,11 +67,6 @@ class Pool:
     def arrival_rate(self, now: float) -> float:
         """Recent requests per second routed in this pool."""
         return self._rate * math.exp(-max(0.0, now - self._rate_at) / self.RATE_WINDOW_S)
-
-    def restore_traffic(self, rate: float, now: float, typical_uncached: float) -> None:
-        """Restore a recorded arrival rate and typical request (replay)."""
-        self._rate, self._rate_at = rate, now
-        self.typical_uncached = typical_uncached
 
     def note_arrival(self, now: float, uncached_tokens: int) -> None:
         self._rate = self.arrival_rate(now) + 1.0 / self.RATE_WINDOW_S

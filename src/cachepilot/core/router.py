@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Collection, Iterable, Sequence
 
 from xxhash import xxh3_64_intdigest
 
@@ -18,7 +19,7 @@ from cachepilot.core.cost import (
 )
 from cachepilot.core.decision import Candidate, Decision, RoutingError
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer, fingerprint
-from cachepilot.core.lifecycle import Outcome, Plugin
+from cachepilot.core.lifecycle import Outcome, Plugin, Response
 from cachepilot.core.policies import Context, pick
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.request import InferenceRequest, RequestError
@@ -70,11 +71,23 @@ class Router:
         self._counter += 1
         return f"{self._id_prefix}-{self._counter:x}"
 
-    def route(self, req: InferenceRequest, now: float, decision_id: str | None = None) -> Decision:
-        """Pick a worker, record the placement in the directory, count it in flight."""
-        pool = self.pool_for(req.model)
-        fp = self.fingerprint(req, pool)
-        decision = self.decide(pool, req.model, fp, now, decision_id or self.next_id(), req)
+    def route(self, req: InferenceRequest, now: float, decision_id: str | None = None, *,
+              only: Collection[str] | None = None, started: float | None = None) -> Decision:
+        """Pick a worker, record the placement in the directory, count it in flight.
+        ``only``: the workers that may be picked (a proxy's subset hint; the others are
+        priced but filtered as "subset"). ``started``: ``time.perf_counter()`` when the
+        driver began on the request (parsing included), for the decision's latency. A
+        request no pool serves, or no worker can take, raises :class:`RequestError`
+        (:class:`RoutingError`), after the plugins heard of it (``on_rejected``)."""
+        try:
+            pool = self.pool_for(req.model)
+            fp = self.fingerprint(req, pool)
+            decision = self.decide(pool, req.model, fp, now, decision_id or self.next_id(),
+                                   req, only=only)
+        except RequestError as err:  # no pool for the model, or no worker can take it
+            self.reject(err, req, now)
+            raise
+        decision.request = req
         worker = pool.workers[decision.chosen]
         worker.inflight += 1
         worker.assigned += 1
@@ -84,13 +97,23 @@ class Router:
         worker.pending_prefill_tokens += decision.uncached_tokens
         pool.directory.insert(decision.chosen, fp.hashes)
         pool.note_arrival(now, decision.uncached_tokens)
+        if started is not None:
+            decision.latency_s = time.perf_counter() - started
         pool.policy.on_routed(decision, pool)
         for plugin in self.plugins:
             plugin.on_routed(decision, pool)
         return decision
 
+    def reject(self, error: RequestError, request: InferenceRequest | None = None,
+               now: float = 0.0) -> None:
+        """The request is answered with ``error`` and no worker: tell the plugins (metrics
+        count it). Routing errors call this themselves, before they are raised."""
+        for plugin in self.plugins:
+            plugin.on_rejected(error, request, now)
+
     def decide(self, pool: Pool, model: str, fp: Fingerprint, now: float,
-               decision_id: str, req: InferenceRequest | None = None) -> Decision:
+               decision_id: str, req: InferenceRequest | None = None, *,
+               only: Collection[str] | None = None) -> Decision:
         """Score every worker and pick one, changing nothing but the pool's decision counter.
         The gateway and the simulator reach it through :meth:`route`; replay calls it on a
         pool rebuilt from the record (:mod:`cachepilot.records.replay`)."""
@@ -103,7 +126,8 @@ class Router:
         prior = cost.ttft  # a worker's model until the predictor has learned its own
         typical = pool.typical_uncached
         cands: list[Candidate] = []
-        for addr, w in pool.workers.items():
+        for addr, worker in pool.workers.items():
+            w = worker.snapshot()
             load = effective_load(w, now, cost)
             blocks = matches.get(addr, 0)
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
@@ -114,10 +138,9 @@ class Router:
             backlog_ms = queue_ms(ahead, load.running, queued, batch_waits, p)
             prefill_ms = uncached * p.prefill_ms_per_token
             c = Candidate(
-                worker=addr, matched_blocks=blocks, matched_tokens=matched_tokens,
+                worker=addr, state=w, matched_blocks=blocks, matched_tokens=matched_tokens,
                 waiting=load.waiting, running=load.running, queued=queued,
-                batch_waits=batch_waits, ahead_tokens=ahead, inflight=w.inflight,
-                kv_usage=load.kv_usage,
+                batch_waits=batch_waits, ahead_tokens=ahead, kv_usage=load.kv_usage,
                 metrics_age_ms=None if load.age_s is None else load.age_s * 1000.0,
                 saved_ms=matched_tokens * p.prefill_ms_per_token,
                 prefill_ms=prefill_ms, queue_ms=backlog_ms,
@@ -125,27 +148,27 @@ class Router:
                 congestion_ms=congestion_ms_of(prefill_ms, lam, backlog_ms, cost),
                 evict_blocks=evict,
                 eviction_ms=evict * fp.block_size * p.prefill_ms_per_token,
-                ready=w.ready, metrics=w.metrics, pending_requests=w.pending_requests,
-                pending_prefill_tokens=w.pending_prefill_tokens,
-                batch_cap_seen=w.batch_cap_seen, ttft_params=w.ttft,
             )
             c.predicted_ttft_ms = p.base_ms + c.prefill_ms + c.queue_ms + c.kv_ms
-            if not w.ready:
+            if only is not None and addr not in only:
+                c.eligible, c.filtered = False, "subset"
+            elif not w.ready:
                 c.eligible, c.filtered = False, "not_ready"
             elif load.stale:
                 c.eligible, c.filtered = False, "stale"
             elif load.waiting >= cost.admission_limit:
                 c.eligible, c.filtered = False, "full"
             cands.append(c)
-        d = self._pick(pool, model, fp, now, decision_id, cands, req)
+        d = self._pick(pool, model, fp, now, decision_id, cands, req, only)
         d.arrival_rate, d.typical_uncached = rate, pool.typical_uncached
         return d
 
     def _pick(self, pool: Pool, model: str, fp: Fingerprint, now: float, decision_id: str,
-              cands: list[Candidate], req: InferenceRequest | None) -> Decision:
+              cands: list[Candidate], req: InferenceRequest | None,
+              only: Collection[str] | None) -> Decision:
         eligible = [c for c in cands if c.eligible]
         if not eligible:
-            raise self._no_worker(pool, cands)
+            raise _no_worker(pool, cands, only)
         ctx = Context(seq=pool.seq, tokens=fp.tokens, weights=pool.spec.weights,
                       fingerprint=fp, request=req)
         values = pool.policy.values(eligible, ctx)
@@ -161,16 +184,16 @@ class Router:
             chosen=chosen.worker, margin_ms=margin, reason=_reason(chosen, eligible, margin),
         )
 
-    @staticmethod
-    def _no_worker(pool: Pool, cands: list[Candidate]) -> RoutingError:
-        if not any(c.filtered in ("full", "stale") for c in cands):
-            return RoutingError(503, f"pool {pool.name!r} has no ready worker",
-                                code="no_healthy_worker")
-        full = [c for c in cands if c.filtered == "full"]
-        wait_ms = min((c.queue_ms for c in full), default=1000.0)
-        return RoutingError(429, f"every worker of pool {pool.name!r} is at its admission "
-                            "limit or unobserved; retry later", code="overloaded",
-                            retry_after_s=max(1.0, round(wait_ms / 1000.0)))
+    def responded(self, decision: Decision, response: Response) -> None:
+        """The response's headers: a failover or an unreachable worker marks the chosen
+        worker down (no more requests until a scrape finds it back); then the plugins."""
+        if response.failed_over or response.unreachable:
+            pool = self.pools.get(decision.pool)
+            if pool is not None:
+                also = f"; {response.answered_by} answered" if response.failed_over else ""
+                pool.set_down(decision.chosen, "connect", f"Envoy could not connect{also}")
+        for plugin in self.plugins:
+            plugin.on_response(decision, response)
 
     def first_token(self, decision: Decision, ttft_ms: float | None = None) -> None:
         """The worker answered: this request's prefill no longer queues ahead of others.
@@ -224,6 +247,30 @@ def static_router(workers: list[str], *, policy: str, weights: Weights, models: 
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})
     return Router([pool], tokenizer=tokenizer)
+
+
+def _no_worker(pool: Pool, cands: list[Candidate], only: Collection[str] | None
+               ) -> RoutingError:
+    """Why nothing could be picked: 503 when no worker (of the proxy's subset) is ready,
+    naming those that are down and why; 429 when they are all full or unobserved (503
+    within a subset: the proxy asked for those workers and cannot be sent elsewhere)."""
+    considered = [c for c in cands if c.filtered != "subset"]
+    subset = "" if only is None else " in the proxy's subset hint"
+    if not any(c.filtered in ("full", "stale") for c in considered):
+        down = [f"{c.worker}: {'; '.join(w.down.values())}" for c in considered
+                if (w := pool.workers.get(c.worker)) is not None and w.down]
+        return RoutingError(503, f"pool {pool.name!r} has no ready worker{subset}"
+                            + (f" (down: {', '.join(down)})" if down else ""),
+                            code="no_healthy_worker", retry_after_s=1.0)
+    if only is not None:
+        return RoutingError(503, f"no endpoint of the proxy's subset hint is eligible in "
+                                 f"pool {pool.name!r}: at their admission limit or unobserved",
+                            code="no_healthy_worker", retry_after_s=1.0)
+    full = [c for c in considered if c.filtered == "full"]
+    wait_ms = min((c.queue_ms for c in full), default=1000.0)
+    return RoutingError(429, f"every worker of pool {pool.name!r} is at its admission "
+                        "limit or unobserved; retry later", code="overloaded",
+                        retry_after_s=max(1.0, round(wait_ms / 1000.0)))
 
 
 def _reason(chosen: Candidate, eligible: list[Candidate], margin: float) -> str:

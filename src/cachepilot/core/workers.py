@@ -48,6 +48,25 @@ class TTFTParams:
                 + self.ms_per_batch_wait * x[4])
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """A worker as one decision priced it: what the router, the decision record and replay
+    share. The router prices snapshots (never the live state, which later requests change);
+    a record stores one per candidate; replay rebuilds a pool from them."""
+
+    address: str
+    ready: bool = True
+    metrics: WorkerMetrics | None = None  # the scrape in force (its own clock: scraped_at)
+    inflight: int = 0
+    pending_requests: int = 0
+    pending_prefill_tokens: int = 0
+    batch_cap_seen: int = 0
+    ttft: TTFTParams | None = None  # learned (None: the pool's prior)
+
+    def metrics_age(self, now: float) -> float | None:
+        return None if self.metrics is None else max(0.0, now - self.metrics.scraped_at)
+
+
 @dataclass(slots=True)
 class WorkerState:
     """A registered worker. ``inflight`` counts requests this router sent that have not
@@ -77,3 +96,16 @@ class WorkerState:
 
     def metrics_age(self, now: float) -> float | None:
         return None if self.metrics is None else max(0.0, now - self.metrics.scraped_at)
+
+    def snapshot(self) -> WorkerSnapshot:
+        return WorkerSnapshot(self.address, self.ready, self.metrics, self.inflight,
+                              self.pending_requests, self.pending_prefill_tokens,
+                              self.batch_cap_seen, self.ttft)
+
+    @classmethod
+    def from_snapshot(cls, s: WorkerSnapshot) -> WorkerState:
+        """A worker in the state a decision saw it (replay)."""
+        return cls(address=s.address, ready=s.ready, declared_ready=s.ready, metrics=s.metrics,
+                   inflight=s.inflight, pending_requests=s.pending_requests,
+                   pending_prefill_tokens=s.pending_prefill_tokens,
+                   batch_cap_seen=s.batch_cap_seen, ttft=s.ttft)

@@ -32,7 +32,7 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from cachepilot.core.request import RequestError
-from cachepilot.gateway.processor import Exchange, Processor
+from cachepilot.gateway.director import Director, Exchange
 from cachepilot.gateway.protocol import (
     DECISION_HEADER,
     DESTINATION_HEADER,
@@ -48,6 +48,7 @@ from cachepilot.gateway.protocol import (
     header_value,
     immediate,
     lb_metadata,
+    request_line,
     streamed_body,
 )
 
@@ -107,10 +108,10 @@ class EppStream:
     """One ext_proc stream in the endpoint picker protocol; :meth:`handle` answers each
     message with what Envoy expects, in order."""
 
-    def __init__(self, processor: Processor) -> None:
-        self.p = processor
-        # The EPP stream carries the response itself ("sync"): nothing else releases it.
-        self.ex = Exchange(observe="sync", sees_response=True)
+    def __init__(self, director: Director) -> None:
+        self.d = director
+        # The EPP stream carries the response itself: nothing else releases it.
+        self.ex = Exchange()
         self.request_id = ""
         self.generated_id = False
         self.rewrite_to = ""  # the model the client's name is rewritten to ("" none)
@@ -144,18 +145,19 @@ class EppStream:
                                            msg.response_body.end_of_stream)
             if kind == "response_trailers":
                 out = self._flush_response(last=False)
-                self.p.finish(self.ex)
+                self.d.finish(self.ex)
                 return [*out, ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
-        except RequestError as err:
+        except RequestError as err:  # reported to the lifecycle where it was raised
             return [self._fail(err)]
-        raise RequestError(400, f"unexpected ext_proc message {kind!r}")
+        return [self._fail(self.d.fail(self.ex, RequestError(
+            400, f"unexpected ext_proc message {kind!r}")))]
 
     def ended(self) -> None:
-        self.p.stream_ended(self.ex)
+        """The stream closed: the request is over, however it ended."""
+        self.d.finish(self.ex, aborted=True)
 
     def _fail(self, err: RequestError) -> ep.ProcessingResponse:
         self.failed = True
-        self.p.count_error(err)
         return immediate(err)
 
     # -- request ------------------------------------------------------------------------------
@@ -170,24 +172,25 @@ class EppStream:
         if not self.request_id:  # the reference generates one (pkg/epp/handlers/server.go)
             self.request_id, self.generated_id = str(uuid.uuid4()), True
         self.hint = subset_hint(msg)
-        err = self.p.begin(self.ex, hm)
+        method, path, length = request_line(hm)
+        err = self.d.begin(self.ex, method, path, length, end_of_stream=hm.end_of_stream)
         if err is not None:
             raise err
         if self.ex.inference:
             return []  # answered once the body is complete
         # Not inference (or no body): any ready worker of the subset, at once.
-        target = self.p.any_worker(self._only())
+        target = self.d.any_worker(self.ex, self._only())
         if target is None:
-            raise RequestError(503, "no ready endpoint" + (
+            raise self.d.fail(self.ex, RequestError(503, "no ready endpoint" + (
                 " in the proxy's subset hint" if self.hint is not None else ""),
-                code="no_healthy_worker", retry_after_s=1.0)
+                code="no_healthy_worker", retry_after_s=1.0))
         self.routed = True
         return [self._headers_response(target)]
 
     def _only(self) -> frozenset[str] | None:
         if self.hint is None:
             return None
-        workers = [a for pool in self.p.router.pools.values() for a in pool.workers]
+        workers = [a for pool in self.d.router.pools.values() for a in pool.workers]
         return allowed(workers, self.hint)
 
     def _headers_response(self, target: str, extra: dict[str, str] | None = None
@@ -208,15 +211,14 @@ class EppStream:
         if self.routed:  # not inference: hand each chunk straight back
             return streamed_body(data, eos, response=False)
         self.body += data
-        err = self.p.over_limit(len(self.body))
+        err = self.d.check_size(self.ex, len(self.body))
         if err is not None:
             raise err
         if not (eos or last):
             return []
         raw = self._rewritten(bytes(self.body))
         self.body = bytearray()
-        only = self._only()
-        decision = self.p.route(self.ex, raw, only=only)
+        decision = self.d.route(self.ex, raw, only=self._only())
         self.routed = True
         # The body may have changed (model rewrite): the worker must get the right length.
         resp = self._headers_response(decision.chosen, {DECISION_HEADER: decision.id,
@@ -250,7 +252,7 @@ class EppStream:
             elif h.key == "content-type" and "text/event-stream" in header_value(h):
                 self.ex.stream = True
         self.served = served_endpoint(msg)
-        self.p.response_started(self.ex, status, self.served, None, hm.end_of_stream)
+        self.d.response_started(self.ex, status, self.served, None, hm.end_of_stream)
         pairs: dict[str, str] = {}
         if self.served:
             pairs[SERVED_REPORT_HEADER] = pairs[WORKER_HEADER] = self.served
@@ -266,7 +268,7 @@ class EppStream:
         return bool(self.client_model) and self.client_model != self.rewrite_to
 
     def _response_body(self, data: bytes, eos: bool) -> list[ep.ProcessingResponse]:
-        self.p.response_chunk(self.ex, data, eos)
+        self.d.response_chunk(self.ex, data, eos)
         if self._holds_response():
             if self.ex.stream:  # streamed: each chunk rewritten and passed on at once
                 return streamed_body(_rewrite(data, self.rewrite_to, self.client_model), eos,

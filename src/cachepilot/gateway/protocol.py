@@ -80,6 +80,20 @@ def header_value(h: base_pb2.HeaderValue) -> str:
     return h.raw_value.decode("latin-1") if h.raw_value else h.value
 
 
+def request_line(msg: ep.HttpHeaders) -> tuple[str, str, str | None]:
+    """(method, path, content-length or None) of a request's headers message."""
+    method = path = ""
+    length = None
+    for h in msg.headers.headers:
+        if h.key == ":path":
+            path = header_value(h)
+        elif h.key == ":method":
+            method = header_value(h)
+        elif h.key == "content-length":
+            length = header_value(h)
+    return method, path, length
+
+
 def fallback_list(d: Decision) -> str:
     """The chosen worker, then up to FALLBACKS eligible runner-ups, best first."""
     rest = sorted((c for c in d.candidates if c.eligible and c.worker != d.chosen),

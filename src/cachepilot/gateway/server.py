@@ -20,21 +20,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.router import Router
-from cachepilot.core.sync import ReplicaSync
+from cachepilot.gateway.director import Director, GatewayOptions
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
 from cachepilot.gateway.kv_events import EndpointsFor, KVEventHub, follow_pools
+from cachepilot.gateway.plugins import MetricsPlugin, StallTracker
 from cachepilot.gateway.replica_bus import ReplicaBus
 from cachepilot.gateway.scrape import Scraper
-from cachepilot.gateway.service import (
-    DecisionSink,
-    ExtProcServicer,
-    GatewayOptions,
-    Processor,
-)
+from cachepilot.gateway.service import ExtProcServicer
 from cachepilot.records import open_recorder
 from cachepilot.records.explain import summary
+from cachepilot.records.plugins import DecisionSink, lifecycle_plugins
 
 log = logging.getLogger("cachepilot.gateway")
 
@@ -78,18 +74,25 @@ class Gateway:
                                       registry=self.metrics.registry,
                                       capture_prompts=options.capture_prompts
                                       ) if sink is None else None
-        self.sink: DecisionSink = sink or self.recorder  # type: ignore[assignment]
-        self.predictor = TTFTPredictor() if self.config.calibrate else None
-        if self.predictor is not None:
-            router.add_plugin(self.predictor)
-        self.bus: ReplicaBus | None = None
+        recording = sink or (self.recorder if self.config.decision_log else None)
+        self.stalls = StallTracker()
+        replica = None
         if self.config.replica_bus:
-            sync = ReplicaSync(self.config.replica_id or f"{socket.gethostname()}-{os.getpid()}")
-            router.add_plugin(sync)
-            self.bus = ReplicaBus(router, sync, self.config.replica_bus,
+            replica = self.config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        life = lifecycle_plugins(learn=self.config.calibrate, replica=replica, sink=recording,
+                                 capture_prompts=options.capture_prompts,
+                                 extra=(MetricsPlugin(self.metrics), self.stalls))
+        for plugin in life.plugins:
+            router.add_plugin(plugin)
+        self.predictor = life.predictor
+        self.bus: ReplicaBus | None = None
+        if life.sync is not None:
+            assert self.config.replica_bus
+            self.bus = ReplicaBus(router, life.sync, self.config.replica_bus,
                                   subject=self.config.replica_subject)
-        self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
-                                   options=options)
+        self.director = Director(router, options=options,
+                                 on_passthrough=self.metrics.passthrough.inc)
+        self.servicer = ExtProcServicer(self.director)
         self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
                                timeout_s=self.config.scrape_timeout_s)
         self.kv_events = KVEventHub()
@@ -103,7 +106,7 @@ class Gateway:
 
     async def start(self) -> None:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor), server)
+        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.grpc_port = server.add_insecure_port(self.config.grpc_address)
         if not self.grpc_port:
@@ -163,11 +166,14 @@ class Gateway:
 
     async def _watch_stalls(self) -> None:
         """Price out a hung worker as its requests age: down while its requests wait without
-        a first byte, back once they have ended (Envoy's first-byte timeout) or it answers."""
+        a first byte, back once they have ended (Envoy's first-byte timeout) or it answers.
+        Routed requests no observing stream took over are released here too."""
         after = self.config.stall_after_s
         while True:
             await asyncio.sleep(min(1.0, after / 4))
-            stalled = self.processor.stalled(time.time(), after)
+            now = time.time()
+            self.servicer.streams.sweep(now)
+            stalled = self.stalls.stalled(now, after)
             for pool in self.router.pools.values():
                 for addr, w in pool.workers.items():
                     why = stalled.get(addr)

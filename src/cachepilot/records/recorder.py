@@ -1,4 +1,7 @@
-"""The recorder the gateway and the simulator call: never blocks, never raises on overload.
+"""The decision log's writer: never blocks, never raises on overload. The gateway and the
+simulator reach it through the recording lifecycle plugin
+(:class:`cachepilot.records.plugins.RecordingPlugin`), with the core's typed ``Decision`` and
+``Outcome``.
 
 ``decision()`` and ``outcome()`` only append an item to a bounded buffer; a background thread
 drains it every ``linger_s`` in one batch, one LMDB transaction per batch, and applies
@@ -21,18 +24,14 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from cachepilot.core.decision import Decision
-from cachepilot.core.lifecycle import FIRST_TOKEN
-from cachepilot.records.schema import (
-    OUTCOME_FIELDS,
-    clean_outcome,
-    decision_to_record,
-)
+from cachepilot.core.lifecycle import Outcome
+from cachepilot.core.pool import Pool
+from cachepilot.records.schema import decision_to_record, outcome_fields
 from cachepilot.records.store import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_BYTES,
@@ -78,9 +77,8 @@ _STOP = object()
 class Recorder:
     """Records decisions and their outcomes to an LMDB decision log at ``path``.
 
-    ``decision(d, pool, prompt=...)`` right after ``Router.route``; ``outcome(id, ...)``
-    when the response's first byte arrives and again when it completes (fields merge);
-    ``close()`` at shutdown (also registered with atexit)."""
+    ``decision(d, pool, prompt=...)`` once routed; ``outcome(id, outcome)`` once it ended
+    (reports for one id merge); ``close()`` at shutdown (also registered with atexit)."""
 
     def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_age_s: float | None = DEFAULT_MAX_AGE_S, queue_size: int = 8192,
@@ -119,7 +117,8 @@ class Recorder:
         atexit.register(self.close)
 
     # -- request path ---------------------------------------------------------------------
-    def decision(self, decision: Decision, pool: Any = None, *, prompt: str | None = None) -> bool:
+    def decision(self, decision: Decision, pool: Pool | None = None, *,
+                 prompt: str | None = None) -> bool:
         """Queue a decision. ``pool`` (the routing Pool; by default the one of ``router`` given
         at construction) adds its cost model, so replay can re-price; ``prompt`` is kept
         only with capture on. Returns False if it was dropped."""
@@ -132,30 +131,12 @@ class Recorder:
                 prompt if self.capture_prompts else None, time.time())
         return self._put(item, "decision")
 
-    def outcome(self, decision_id: str, **fields: Any) -> bool:
-        """Queue an outcome report: status, ttft_ms, ttft_kind ("first_token" | "first_byte"),
-        cached_tokens,
-        prompt_tokens, completion_tokens, completed_at, first_byte_ms, aborted, error. None
-        values are ignored; other keys are kept under ``extra``. Reports for one id merge.
+    def outcome(self, decision_id: str, outcome: Outcome) -> bool:
+        """Queue how a recorded decision ended. Reports for one id merge (later fields win).
         Returns False if it was dropped."""
-        clean = clean_outcome(fields)
         if self._closed:
             return self._drop("outcome", "closed")
-        return self._put(("outcome", decision_id, clean), "outcome")
-
-    def on_decision(self, decision: Decision | None, outcome: Any = None,
-                    pool: Any = None) -> None:
-        """The simulator's ``on_decision(decision, outcome)`` hook: a decision and its
-        outcome at once (a rejected request, ``decision`` None, has nothing to record).
-        ``outcome`` is a mapping of outcome fields or an object with them as attributes;
-        the simulator's Outcome (ttft_s, finished_at, output_tokens) is understood too."""
-        if decision is None:
-            return
-        self.decision(decision, pool)
-        if outcome is not None:
-            fields = _outcome_fields(outcome)
-            fields.setdefault("ttft_kind", FIRST_TOKEN)  # a simulated engine's first token
-            self.outcome(decision.id, **fields)
+        return self._put(("outcome", decision_id, outcome), "outcome")
 
     def _cost_dict(self, cost: Any) -> dict[str, Any]:
         cached = self._cost_cache
@@ -212,7 +193,7 @@ class Recorder:
                         log.exception("decision log: cannot encode decision %s", d.id)
                         self._drop("decision", "error")
                 else:
-                    ops.append(("outcome", (item[1], item[2])))
+                    ops.append(("outcome", (item[1], outcome_fields(item[2]))))
             if ops:
                 self._commit(ops)
             if time.monotonic() - last_retention >= self.retention_interval_s:
@@ -281,14 +262,12 @@ class NullRecorder:
     path = None
     capture_prompts = False
 
-    def decision(self, decision: Decision, pool: Any = None, *, prompt: str | None = None) -> bool:
+    def decision(self, decision: Decision, pool: Pool | None = None, *,
+                 prompt: str | None = None) -> bool:
         return False
 
-    def outcome(self, decision_id: str, **fields: Any) -> bool:
+    def outcome(self, decision_id: str, outcome: Outcome) -> bool:
         return False
-
-    def on_decision(self, decision: Decision, outcome: Any = None, pool: Any = None) -> None:
-        return None
 
     def flush(self, timeout: float = 10.0) -> bool:
         return True
@@ -309,23 +288,3 @@ class NullRecorder:
 def open_recorder(path: str | os.PathLike[str] | None, **kwargs: Any) -> Recorder | NullRecorder:
     """``--decision-log PATH`` → a Recorder; no path → a NullRecorder."""
     return Recorder(path, **kwargs) if path else NullRecorder()
-
-
-def _outcome_fields(outcome: Any) -> dict[str, Any]:
-    if isinstance(outcome, Mapping):
-        return {k: v for k, v in outcome.items() if v is not None}
-    fields = {k: getattr(outcome, k) for k in OUTCOME_FIELDS
-              if getattr(outcome, k, None) is not None}
-    # cachepilot.sim.Outcome: seconds on the virtual clock.
-    ttft_s = getattr(outcome, "ttft_s", None)
-    if ttft_s is not None:
-        fields.setdefault("ttft_ms", ttft_s * 1000.0)
-    finished = getattr(outcome, "finished_at", None)
-    if finished is not None:
-        fields.setdefault("completed_at", finished)
-    out_tokens = getattr(outcome, "output_tokens", None)
-    if out_tokens is not None and finished is not None:
-        fields.setdefault("completion_tokens", out_tokens)
-    if hasattr(outcome, "rejected"):
-        fields.setdefault("status", 200 if ttft_s is not None else 503)
-    return fields

@@ -1,13 +1,13 @@
 """Re-decide recorded requests through the routing core's own ``Router.decide``.
 
 Each record is turned back into the router's inputs as they were: a pool with the recorded
-cost model, weights, policy (its learned state restored when it is the recorded policy) and
-decision counter; every worker, in the recorded order, with the state it was priced from
-(readiness, the scrape in force, requests in flight, pending prefill, learned batch size,
-calibrated overrides); and a directory in which each worker holds the blocks of the
-request's prefix it was matched on. Then the same ``decide`` the gateway and the simulator
-use prices and picks, with the decision id as tie key. Under the recorded policy, weights and
-cost model every choice comes back; under others, the same code answers "what then".
+cost model, weights, policy and decision counter; every worker, in the recorded order, with
+the snapshot it was priced from (readiness, the scrape in force, requests in flight,
+pending prefill, learned batch size, learned TTFT model); and a directory in which each
+worker holds the blocks of the request's prefix it was matched on. Then the same ``decide``
+the gateway and the simulator use prices and picks, with the decision id as tie key. Under
+the recorded policy, weights and cost model every choice comes back; under others, the same
+code answers "what then".
 
 This is a static replay: a different choice would have changed the queues and caches seen by
 later requests, which the recorded state cannot know. ``--simulate`` runs the counterfactual
@@ -23,13 +23,10 @@ from typing import Any
 
 from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.decision import Decision, RoutingError
-from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint
-from cachepilot.core.lifecycle import FIRST_TOKEN
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.router import Router
-from cachepilot.core.workers import WorkerState
 from cachepilot.records.schema import hash_int, record_to_candidates
 
 _COST_FIELDS = {f.name for f in fields(CostModel)}
@@ -42,19 +39,19 @@ def recorded_cost(record: Mapping[str, Any]) -> CostModel:
 
 
 class Replayer:
-    """One pool and router, refilled from each record: the router's inputs rebuilt."""
+    """Re-decides records with one policy: each record's pool rebuilt through
+    :meth:`Pool.restored` from the worker snapshots it stores, then the router's own
+    ``decide``."""
 
     def __init__(self, policy: Policy, *, weights: Mapping[str, float] | None = None,
                  cost: Mapping[str, float] | None = None) -> None:
         self.policy = policy
         self.weights = dict(weights or {})
         self.cost = dict(cost or {})
-        self.pool: Pool | None = None  # made at the first record: the policy binds to it
         self.router = Router(id_prefix="replay")
 
-    def rebuild(self, record: Mapping[str, Any]) -> Fingerprint:
-        """Put the pool in the state the record was decided in; return the request's
-        fingerprint."""
+    def rebuild(self, record: Mapping[str, Any]) -> tuple[Pool, Fingerprint]:
+        """The pool in the state the record was decided in, and the request's fingerprint."""
         if record.get("schema_version", 1) < 2:
             raise ValueError(f"record {record.get('id')} has schema "
                              f"{record.get('schema_version')}: replay needs the worker state "
@@ -62,38 +59,31 @@ class Replayer:
         hashes = tuple(hash_int(h) for h in record["hashes"])
         weights = Weights(**{**{k: v for k, v in record["weights"].items()
                                 if k in _WEIGHT_FIELDS}, **self.weights})
+        # Room for the whole prefix: inserting what a worker was matched on evicts nothing.
         spec = PoolSpec(name=record["pool"], models=(record["model"],),
                         policy=self.policy.name, weights=weights,
                         cost=recorded_cost(record).with_(**self.cost),
-                        block=BlockConfig(block_size=record["block_size"]))
-        if self.pool is None:
-            self.pool = Pool(spec, policy=self.policy)
-        pool = self.pool
-        pool.spec = spec
-        pool.seq = record["seq"]
-        pool.restore_traffic(record.get("arrival_rate", 0.0), record["time"],
-                             record.get("typical_uncached", 0.0))
-        pool.workers = {}
-        pool.directory = PrefixDirectory(default_capacity=len(hashes) + 1)
-        for c in record_to_candidates(record):
-            pool.workers[c.worker] = WorkerState(
-                address=c.worker, ready=c.ready, metrics=c.metrics, inflight=c.inflight,
-                pending_prefill_tokens=c.pending_prefill_tokens,
-                pending_requests=c.pending_requests, batch_cap_seen=c.batch_cap_seen,
-                ttft=c.ttft_params)
-            pool.directory.add_worker(c.worker)
-            pool.directory.insert(c.worker, hashes[:c.matched_blocks])
-            pool.directory.restore_eviction(c.worker, c.evict_blocks)
+                        block=BlockConfig(block_size=record["block_size"]),
+                        capacity_blocks=len(hashes) + 1)
+        cands = record_to_candidates(record)
+        pool = Pool.restored(
+            spec, self.policy, (c.state for c in cands), seq=record["seq"],
+            now=record["time"], arrival_rate=record.get("arrival_rate", 0.0),
+            typical_uncached=record.get("typical_uncached", 0.0),
+            held={c.worker: hashes[:c.matched_blocks] for c in cands},
+            evictions={c.worker: c.evict_blocks for c in cands})
         self.router.pools = {pool.name: pool}
-        return Fingerprint(hashes, record["tokens"], record["block_size"])
+        return pool, Fingerprint(hashes, record["tokens"], record["block_size"])
 
     def decide(self, record: Mapping[str, Any]) -> Decision | None:
-        """The decision the router makes on the record's inputs (None: no eligible worker)."""
-        fp = self.rebuild(record)
-        assert self.pool is not None
+        """The decision the router makes on the record's inputs (None: no eligible worker).
+        Workers the proxy's subset hint left out then are left out again."""
+        pool, fp = self.rebuild(record)
+        subset = {c["worker"] for c in record["candidates"] if c.get("filtered") != "subset"}
+        only = subset if len(subset) < len(record["candidates"]) else None
         try:
-            return self.router.decide(self.pool, record["model"], fp, record["time"],
-                                      record["id"])
+            return self.router.decide(pool, record["model"], fp, record["time"], record["id"],
+                                      only=only)
         except RoutingError:
             return None
 
@@ -190,8 +180,7 @@ class ReplayReport:
 def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
            weights: Mapping[str, float] | None = None, cost: Mapping[str, float] | None = None,
            keep_changes: int = 10) -> ReplayReport:
-    """Re-decide every record. ``policy`` None keeps each record's own policy. A learning
-    policy sees the measured first-token TTFT of the decisions it reproduced."""
+    """Re-decide every record. ``policy`` None keeps each record's own policy."""
     replayers: dict[str, Replayer] = {}
     report = ReplayReport(policy=policy or "recorded", weights=dict(weights or {}),
                           cost=dict(cost or {}))
@@ -205,7 +194,7 @@ def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
         if result is None:
             report.skipped += 1
             continue
-        r, decision = result
+        r, _ = result
         report.replayed += 1
         report.recorded_ttft_ms += r.recorded_ttft_ms
         report.new_ttft_ms += r.new_ttft_ms
@@ -220,9 +209,5 @@ def replay(records: Iterable[Mapping[str, Any]], policy: str | None = None, *,
             report.moves[(r.recorded, r.chosen)] += 1
             if len(report.changes) < keep_changes:
                 report.changes.append(r)
-        outcome = rec.get("outcome") or {}
-        if (not r.changed and outcome.get("ttft_ms") is not None
-                and outcome.get("ttft_kind") == FIRST_TOKEN):
-            rp.policy.on_first_token(decision, outcome["ttft_ms"])  # a learning policy learns
     return report
 

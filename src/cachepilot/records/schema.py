@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachepilot.core.decision import Candidate, Decision
-from cachepilot.core.workers import TTFTParams, WorkerMetrics
+from cachepilot.core.lifecycle import Outcome
+from cachepilot.core.workers import TTFTParams, WorkerMetrics, WorkerSnapshot
 
 # 2: candidates carry the worker state they were priced from (replay calls Router.decide);
 # outcomes name their TTFT with ttft_kind. Logs of schema 1 can still be read and explained.
@@ -44,7 +45,11 @@ OUTCOME_FIELDS: dict[str, type | tuple[type, ...]] = {
 # Schema 1 named the TTFT's kind "first_byte": stream / sim / body.
 _V1_TTFT_KIND = {"stream": "first_token", "sim": "first_token", "body": "first_byte"}
 
-CANDIDATE_FIELDS = tuple(Candidate.__dataclass_fields__)
+# A candidate's priced features and terms, then its worker snapshot flattened beside them
+# (the snapshot's ``ttft`` stored as ``ttft_params``, as schema 2 has always named it).
+CANDIDATE_FIELDS = tuple(f for f in Candidate.__dataclass_fields__ if f != "state")
+SNAPSHOT_FIELDS = ("ready", "metrics", "inflight", "pending_requests",
+                   "pending_prefill_tokens", "batch_cap_seen")
 METRICS_FIELDS = tuple(WorkerMetrics.__dataclass_fields__)
 PARAMS_FIELDS = tuple(TTFTParams.__dataclass_fields__)
 
@@ -68,7 +73,9 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
     cands = []
     for c in decision.candidates:
         d = {f: getattr(c, f) for f in CANDIDATE_FIELDS}
-        m, p = c.metrics, c.ttft_params
+        s = c.state
+        d.update({f: getattr(s, f) for f in SNAPSHOT_FIELDS})
+        m, p = s.metrics, s.ttft
         d["metrics"] = None if m is None else {f: getattr(m, f) for f in METRICS_FIELDS}
         d["ttft_params"] = None if p is None else {f: getattr(p, f) for f in PARAMS_FIELDS}
         cands.append(d)
@@ -108,23 +115,20 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
     return rec
 
 
-def clean_outcome(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """Known outcome fields, type-checked; anything else goes under ``extra``. None values
-    are dropped (a later report may fill them in)."""
+# The Outcome fields a record stores (``observed`` is the driver's, not the request's).
+_RECORDED = tuple(f for f in Outcome.__dataclass_fields__ if f not in ("observed", "answered_by"))
+
+
+def outcome_fields(outcome: Outcome) -> dict[str, Any]:
+    """An Outcome as the record's outcome fields: what it says (None fields dropped, since
+    a later report may fill them in); who answered under ``extra``, as always."""
     out: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for key, value in fields.items():
-        if value is None:
-            continue
-        kind = OUTCOME_FIELDS.get(key)
-        if kind is None:
-            extra[key] = value
-            continue
-        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-            raise TypeError(f"outcome field {key!r} must be {kind}, got {value!r}")
-        out[key] = value
-    if extra:
-        out["extra"] = extra
+    for name in _RECORDED:
+        value = getattr(outcome, name)
+        if value is not None:
+            out[name] = value
+    if outcome.answered_by is not None:
+        out["extra"] = {"answered_by": outcome.answered_by}
     return out
 
 
@@ -164,14 +168,16 @@ def record_to_candidates(record: Mapping[str, Any]) -> list[Candidate]:
     """Rebuild the Candidate objects a record was made from (unknown keys ignored)."""
     out = []
     for d in record["candidates"]:
-        c = Candidate(**{f: d[f] for f in CANDIDATE_FIELDS
-                         if f in d and f not in ("metrics", "ttft_params")})
         m, p = d.get("metrics"), d.get("ttft_params")
-        if m is not None:
-            c.metrics = WorkerMetrics(**{f: m[f] for f in METRICS_FIELDS if f in m})
-        if p is not None:
-            c.ttft_params = TTFTParams(**{f: p[f] for f in PARAMS_FIELDS if f in p})
-        out.append(c)
+        state = WorkerSnapshot(
+            address=d["worker"], ready=d.get("ready", True),
+            metrics=None if m is None else WorkerMetrics(
+                **{f: m[f] for f in METRICS_FIELDS if f in m}),
+            inflight=d.get("inflight", 0), pending_requests=d.get("pending_requests", 0),
+            pending_prefill_tokens=d.get("pending_prefill_tokens", 0),
+            batch_cap_seen=d.get("batch_cap_seen", 0),
+            ttft=None if p is None else TTFTParams(**{f: p[f] for f in PARAMS_FIELDS if f in p}))
+        out.append(Candidate(state=state, **{f: d[f] for f in CANDIDATE_FIELDS if f in d}))
     return out
 
 

@@ -1,12 +1,19 @@
 """Discrete-event simulator: the gateway's Router in front of modelled engines, on a virtual
 clock, plus peer policy models and the studies behind ``cachepilot experiment``."""
 
-from cachepilot.sim.simulator import Outcome, RunResult, SimConfig, Simulator, ideal_ttfts, simulate
+from cachepilot.sim.simulator import (
+    RequestResult,
+    RunResult,
+    SimConfig,
+    Simulator,
+    ideal_ttfts,
+    simulate,
+)
 from cachepilot.sim.workloads import Dist, SimRequest, Workload, WorkloadSpec, generate
 
 __all__ = [
     "Dist",
-    "Outcome",
+    "RequestResult",
     "RunResult",
     "SimConfig",
     "SimRequest",

@@ -14,7 +14,7 @@ from cachepilot.sim.simulator import RunResult
 
 
 def summarize(run: RunResult, ideal: np.ndarray | None = None) -> dict[str, Any]:
-    outs = run.outcomes
+    outs = run.results
     done = [o for o in outs if o.finished_at is not None]
     ttft = np.array([o.ttft_s for o in outs if o.ttft_s is not None])
     prompt = sum(o.prompt_tokens for o in outs if o.worker is not None and o.ttft_s is not None)
@@ -66,7 +66,7 @@ def summarize(run: RunResult, ideal: np.ndarray | None = None) -> dict[str, Any]
 
 def ttft_sample(run: RunResult, n: int = 400) -> list[float]:
     """An evenly spaced quantile sample of the TTFT distribution (for plots and JSON)."""
-    ttft = np.array([o.ttft_s for o in run.outcomes if o.ttft_s is not None])
+    ttft = np.array([o.ttft_s for o in run.results if o.ttft_s is not None])
     if not ttft.size:
         return []
     return [float(x) for x in np.quantile(ttft, np.linspace(0, 1, n))]

@@ -8,17 +8,19 @@ what runs). Scrapes copy each engine's queue, batch and KV usage into the pool a
 :class:`WorkerMetrics` every ``scrape_interval_s``, so the router sees state exactly as old
 as it would in the gateway; ``scrape_interval_s=0`` gives fresh metrics at every decision.
 
-Hook: ``on_decision(decision, outcome)`` is called once per request when it finishes (or is
-rejected), with the router's :class:`Decision` (None when rejected) and an :class:`Outcome`
-holding what actually happened: measured TTFT, the engine's real cached-token count and the
-finish time. Keep the callback cheap: it runs inside the event loop.
+Each replica's Router runs the same lifecycle plugins as the gateway's
+(:func:`cachepilot.records.plugins.lifecycle_plugins`: the predictor, replica sync, and the
+decision log when a ``sink`` is given), plus any ``plugins`` passed in; they hear of every
+decision, first token and finish (with the core's :class:`~cachepilot.core.lifecycle.Outcome`)
+as the gateway's do. What each request went through is also kept as a :class:`RequestResult`
+for the run's measures: measured TTFT, the engine's real cached-token count, the finish time.
 """
 
 from __future__ import annotations
 
 import heapq
 import time as _time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +37,11 @@ from cachepilot.core import (
     Weights,
     WorkerMetrics,
 )
-from cachepilot.core.lifecycle import FIRST_TOKEN, Plugin
-from cachepilot.core.lifecycle import Outcome as RequestOutcome
+from cachepilot.core.lifecycle import FIRST_TOKEN, Outcome, Plugin
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.sync import ReplicaSync
+from cachepilot.records.plugins import DecisionSink, lifecycle_plugins
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.sim.peers import SIM_POLICIES
 from cachepilot.sim.slot_engine import make_engine
@@ -93,8 +95,8 @@ class _Replica:
 
 
 @dataclass(slots=True)
-class Outcome:
-    """What happened to one request (the second argument of ``on_decision``)."""
+class RequestResult:
+    """What one simulated request went through, for the run's measures."""
 
     request_id: int
     worker: str | None
@@ -125,7 +127,7 @@ class RunResult:
 
     config: SimConfig
     workload: dict[str, Any]
-    outcomes: list[Outcome]
+    results: list[RequestResult]
     workers: dict[str, dict[str, float]]
     makespan: float
     start: float
@@ -137,8 +139,7 @@ class Simulator:
     """Drive a workload through the router and the engines. One instance = one run."""
 
     def __init__(self, config: SimConfig, *, policy: Policy | None = None,
-                 plugins: Sequence[Plugin] = (),
-                 on_decision: Callable[[Decision | None, Outcome], None] | None = None) -> None:
+                 plugins: Sequence[Plugin] = (), sink: DecisionSink | None = None) -> None:
         self.cfg = config
         if config.engine.block_size != BLOCK.block_size:
             raise ValueError("router and engine block sizes must be equal "
@@ -157,19 +158,17 @@ class Simulator:
             pool = Pool(spec, policy=policy or make_policy(config.policy, SIM_POLICIES))
             for addr in addrs:
                 pool.upsert_worker(addr)
-            predictor = TTFTPredictor() if config.learn else None
-            sync = (ReplicaSync(f"r{i}") if config.sync_delay_s is not None
-                    and config.replicas > 1 else None)
-            own = tuple(p for p in (predictor, sync) if p is not None) + tuple(plugins)
-            self.replicas.append(_Replica(pool, Router([pool], id_prefix=f"sim{i or ''}",
-                                                       plugins=own), predictor, sync))
+            shared = config.sync_delay_s is not None and config.replicas > 1
+            life = lifecycle_plugins(learn=config.learn, replica=f"r{i}" if shared else None,
+                                     sink=sink, extra=plugins)
+            router = Router([pool], id_prefix=f"sim{i or ''}", plugins=life.plugins)
+            self.replicas.append(_Replica(pool, router, life.predictor, life.sync))
         first = self.replicas[0]
         self.pool, self.router, self.predictor = first.pool, first.router, first.predictor
         self.policy = first.pool.policy
         self.workers = {addr: _Worker(addr, make_engine(config.engine)) for addr in addrs}
         self._rng = np.random.default_rng(0)  # replica choice; seeded: runs stay paired
         self._client_replica: dict[str, tuple[int, int]] = {}  # service: (replica, left)
-        self.on_decision = on_decision
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -221,7 +220,7 @@ class Simulator:
         wl_info = (workload.spec.to_dict() | {"seed": workload.seed}
                    if isinstance(workload, Workload) else {"kind": "list"})
         wall0 = _time.perf_counter()
-        outcomes: list[Outcome] = []
+        results: list[RequestResult] = []
         if not reqs:
             return RunResult(self.cfg, wl_info, [], self._worker_stats(0.0), 0.0, 0.0,
                              0.0, 0)
@@ -235,7 +234,7 @@ class Simulator:
             self._push(start + interval, SCRAPE, None)
         stop_at = (None if self.cfg.drain_limit_s is None
                    else last_arrival + self.cfg.drain_limit_s)
-        inflight: dict[int, tuple[Router, Decision, Outcome]] = {}
+        inflight: dict[int, tuple[Router, Decision, RequestResult]] = {}
         events = 0
         arrivals = 0
         heap = self._events
@@ -251,19 +250,17 @@ class Simulator:
                 r: SimRequest = payload
                 if interval <= 0:
                     self.scrape(t)
-                out = Outcome(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
+                out = RequestResult(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
                 router = self._replica_for(r, arrivals)
                 arrivals += 1
                 try:
                     d = router.route(InferenceRequest(model=MODEL, max_tokens=r.max_tokens,
                                                       fingerprint=r.fp, user_start=r.user_start),
                                      t, f"r{r.id}")
-                except RoutingError as exc:
+                except RoutingError as exc:  # the router's plugins have heard of it
                     out.rejected = exc.code
-                    outcomes.append(out)
+                    results.append(out)
                     remaining -= 1
-                    if self.on_decision is not None:
-                        self.on_decision(None, out)
                     continue
                 out.predicted_ttft_s = d.winner.predicted_ttft_ms / 1000.0
                 out.worker = d.chosen
@@ -286,13 +283,12 @@ class Simulator:
                 for er in res.finished:
                     router, d, out = inflight.pop(er.id)
                     out.finished_at = er.finished_at
-                    router.release(d, RequestOutcome(
+                    router.release(d, Outcome(
                         status=200, ttft_ms=None if out.ttft_s is None else out.ttft_s * 1000.0,
-                        ttft_kind=FIRST_TOKEN, cached_tokens=out.cached_tokens))
-                    outcomes.append(out)
+                        ttft_kind=FIRST_TOKEN, cached_tokens=out.cached_tokens,
+                        completion_tokens=out.output_tokens, completed_at=er.finished_at))
+                    results.append(out)
                     remaining -= 1
-                    if self.on_decision is not None:
-                        self.on_decision(d, out)
                 if w.engine.has_work():
                     self._start_step(w, t)
             elif kind == SCRAPE:
@@ -308,11 +304,11 @@ class Simulator:
             if self.cfg.sync_delay_s is not None:
                 self._send_sync(t)
         for _, _, out in inflight.values():  # cut off by drain_limit_s: never finished
-            outcomes.append(out)
-        end = max((o.finished_at for o in outcomes if o.finished_at is not None),
+            results.append(out)
+        end = max((o.finished_at for o in results if o.finished_at is not None),
                   default=start)
-        outcomes.sort(key=lambda o: o.request_id)
-        return RunResult(self.cfg, wl_info, outcomes, self._worker_stats(end - start),
+        results.sort(key=lambda o: o.request_id)
+        return RunResult(self.cfg, wl_info, results, self._worker_stats(end - start),
                          end - start, start, _time.perf_counter() - wall0, events)
 
     def _send_sync(self, now: float) -> None:

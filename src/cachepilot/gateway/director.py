@@ -1,0 +1,239 @@
+"""One HTTP exchange through the gateway, free of any protocol: route, first byte, stream,
+finish.
+
+Both ext_proc protocols the gateway speaks (our Envoy config's streams,
+:mod:`cachepilot.gateway.envoy_streams`, and the endpoint picker protocol,
+:mod:`cachepilot.gateway.epp`) are thin adapters: they turn Envoy's messages into the calls
+below and the results back into answers. The :class:`Director` drives the router's lifecycle
+(:mod:`cachepilot.core.lifecycle`); what reacts to it (recording, metrics, stall tracking,
+learning) are plugins, never code here. An :class:`Exchange` is in one :class:`Phase` at a
+time, and only the director moves it.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from cachepilot.core.decision import Decision
+from cachepilot.core.lifecycle import FIRST_BYTE, FIRST_TOKEN, Outcome, Response
+from cachepilot.core.request import (
+    InferenceRequest,
+    RequestError,
+    inference_path,
+    parse_openai_body,
+)
+from cachepilot.core.router import Router
+
+_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_CACHE_N_RE = re.compile(rb'"cache_n"\s*:\s*(\d+)')  # llama.cpp /completion timings
+_TAIL = 512  # bytes of the previous chunk kept so a split "cached_tokens" is still found
+
+
+@dataclass
+class GatewayOptions:
+    max_body_bytes: int = 8 * 1024 * 1024
+    capture_prompts: bool = False  # hand raw prompts to the decision log (off: hashes only)
+    # Must match Envoy's config: off, the stream ends with the request phase, so a request
+    # stops counting as in flight once routed and no outcome is recorded.
+    observe_responses: bool = True
+    # Must match Envoy's config too: responses come on a second, observing stream, which
+    # releases the request (off: on the routing stream, which releases it when it ends).
+    # Envoy's generated config says which on every routing stream (x-cachepilot-observe),
+    # and that wins over this default.
+    observe_async: bool = True
+    # A routed request whose observing stream has not started after this long never gets one
+    # (Envoy configured without it, or the stream failed): released as aborted. With Envoy's
+    # observe_request_headers off the stream starts at the first byte: set this above Envoy's
+    # first-byte timeout then.
+    unobserved_after_s: float = 10.0
+    # Which ext_proc protocol a stream speaks: "cachepilot" (Envoy configured by the
+    # gateway's bootstrap), "epp" (the endpoint picker protocol, any gateway), or "auto": a
+    # stream whose gRPC metadata has an x-cachepilot-* key is ours, others EPP.
+    protocol: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("auto", "cachepilot", "epp"):
+            raise ValueError(f"protocol is auto, cachepilot or epp, not {self.protocol!r}")
+
+
+class Phase(enum.Enum):
+    NEW = "new"  # nothing known but, maybe, its method and path
+    PASSTHROUGH = "passthrough"  # not inference: sent to any ready worker, nothing to watch
+    FAILED = "failed"  # answered by the gateway with an error; no worker involved
+    ROUTED = "routed"  # a worker was chosen and booked; its response is awaited
+    RESPONDING = "responding"  # the response's headers arrived
+    DONE = "done"  # released: the lifecycle's end was reported
+
+
+@dataclass
+class Exchange:
+    """What one HTTP exchange has told the director so far."""
+
+    method: str = ""
+    path: str = ""
+    content_length: int | None = None
+    phase: Phase = Phase.NEW
+    started: float = 0.0  # the director's clock
+    stream: bool = False  # the client asked for a streamed (SSE) answer
+    decision: Decision | None = None
+    status: int | None = None
+    answered_by: str | None = None  # the worker that answered, as the proxy reports it
+    model_output: bool = False  # a 2xx answer from the chosen worker
+    first_byte_s: float | None = None
+    first_token_s: float | None = None
+    cached_tokens: int | None = None
+    tail: bytes = b""  # the end of the last response chunk (a split "cached_tokens")
+
+    @property
+    def inference(self) -> bool:
+        """A POST to an inference path: routed by its body."""
+        return self.method == "POST" and bool(inference_path(self.path))
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.DONE
+
+
+def too_large(limit: int) -> RequestError:
+    """The one 413, for a declared length, a whole body or a body still arriving; worded as
+    Envoy's own 413 for a declared length over the limit (the bootstrap's local reply)."""
+    return RequestError(413, f"request body exceeds the limit of {limit} bytes",
+                        code="body_too_large")
+
+
+class Director:
+    """Drives exchanges through the router's lifecycle, on the caller's clock."""
+
+    def __init__(self, router: Router, *, options: GatewayOptions | None = None,
+                 clock: Callable[[], float] = time.time,
+                 on_passthrough: Callable[[], None] = lambda: None) -> None:
+        self.router = router
+        self.options = options or GatewayOptions()
+        self.clock = clock
+        self.on_passthrough = on_passthrough
+        self._passthrough_seq = 0
+
+    # -- request ------------------------------------------------------------------------------
+    def begin(self, ex: Exchange, method: str, path: str, content_length: str | None = None,
+              *, end_of_stream: bool = False) -> RequestError | None:
+        """The request line: an error if it cannot be routed (already reported)."""
+        ex.started = self.clock()
+        ex.method, ex.path = method, path
+        if content_length is not None:
+            ex.content_length = int(content_length) if content_length.isdigit() else None
+        if not ex.inference:
+            return None
+        if ex.content_length is not None and ex.content_length > self.options.max_body_bytes:
+            return self.fail(ex, too_large(self.options.max_body_bytes))
+        if end_of_stream:
+            return self.fail(ex, RequestError(400, "request body is empty"))
+        return None
+
+    def check_size(self, ex: Exchange, size: int) -> RequestError | None:
+        """A body (or as much as has arrived) over the limit: the 413, reported."""
+        if size > self.options.max_body_bytes:
+            return self.fail(ex, too_large(self.options.max_body_bytes))
+        return None
+
+    def route(self, ex: Exchange, raw: bytes, *, only: Collection[str] | None = None
+              ) -> Decision:
+        """Parse the whole body and route it. ``only``: the workers that may be picked (the
+        proxy's subset hint). Raises RequestError (RoutingError included) with the status
+        the client gets, already reported to the lifecycle."""
+        started = time.perf_counter()
+        try:
+            req = parse_openai_body(ex.path, raw)
+        except RequestError as err:
+            raise self.fail(ex, err) from None
+        try:
+            decision = self.router.route(req, self.clock(), only=only, started=started)
+        except RequestError as err:  # routing errors: the router reported them
+            ex.phase = Phase.FAILED
+            raise err from None
+        ex.decision, ex.stream, ex.phase = decision, req.stream, Phase.ROUTED
+        return decision
+
+    def fail(self, ex: Exchange | None, err: RequestError,
+             req: InferenceRequest | None = None) -> RequestError:
+        """The gateway answers ``err`` itself: reported to the lifecycle once."""
+        if ex is not None:
+            ex.phase = Phase.FAILED
+        self.router.reject(err, req, self.clock())
+        return err
+
+    def any_worker(self, ex: Exchange | None = None, only: Collection[str] | None = None
+                   ) -> str | None:
+        """A request that is not inference (GET /v1/models, /health) goes to any ready
+        worker, in turn (of ``only``, when the proxy hints a subset)."""
+        ready = sorted(addr for pool in self.router.pools.values()
+                       for addr, w in pool.workers.items()
+                       if w.ready and (only is None or addr in only))
+        if not ready:
+            return None  # nothing to send it to
+        if ex is not None:
+            ex.phase = Phase.PASSTHROUGH
+        self._passthrough_seq += 1
+        self.on_passthrough()
+        return ready[self._passthrough_seq % len(ready)]
+
+    # -- response -----------------------------------------------------------------------------
+    def response_started(self, ex: Exchange, status: str | None, answered_by: str | None,
+                         error: str | None, end_of_stream: bool) -> None:
+        """The response's headers: its status, the worker the proxy says answered it, the
+        reason the proxy gives for an error reply of its own."""
+        now = self.clock()
+        if status is not None:
+            ex.status = int(status) if status.isdigit() else None
+        ex.answered_by = answered_by or ex.answered_by
+        d = ex.decision
+        if d is None or ex.done:
+            return
+        ex.phase = Phase.RESPONDING
+        response = Response(status=ex.status, at=now, answered_by=answered_by,
+                            failed_over=bool(answered_by) and answered_by != d.chosen,
+                            unreachable=error == "worker_unreachable")
+        self.router.responded(d, response)
+        ex.model_output = response.model_output
+        if ex.model_output:
+            ex.first_byte_s = now - ex.started
+            if not ex.stream:  # a non-streamed answer arrives whole: headers = first token
+                self.router.first_token(d)
+        if end_of_stream:
+            self.finish(ex)
+
+    def response_chunk(self, ex: Exchange, data: bytes, end_of_stream: bool) -> None:
+        """A piece of the response body: the first token's time, the worker's cached-token
+        count; the last piece ends the request."""
+        d = ex.decision
+        if d is None or ex.done:
+            return
+        if ex.first_token_s is None and data and ex.model_output:
+            ex.first_token_s = self.clock() - ex.started
+            # Streamed: a real first token, the policy and plugins learn from it.
+            self.router.first_token(d, ex.first_token_s * 1000.0 if ex.stream else None)
+        window = ex.tail + data
+        found = _CACHED_RE.findall(window) or _CACHE_N_RE.findall(window)
+        if found:
+            ex.cached_tokens = int(found[-1])
+        ex.tail = window[-_TAIL:]
+        if end_of_stream:
+            self.finish(ex)
+
+    def finish(self, ex: Exchange, aborted: bool = False) -> None:
+        """Release the worker once and report the outcome (the lifecycle's end)."""
+        d = ex.decision
+        if ex.done or d is None:
+            return
+        ex.phase = Phase.DONE
+        ttft_s = ex.first_token_s if ex.stream else ex.first_byte_s
+        self.router.release(d, Outcome(
+            status=ex.status, aborted=aborted,
+            ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
+            ttft_kind=FIRST_TOKEN if ex.stream else FIRST_BYTE,
+            first_byte_ms=None if ex.first_byte_s is None else ex.first_byte_s * 1000.0,
+            cached_tokens=ex.cached_tokens, completed_at=self.clock(),
+            answered_by=ex.answered_by, observed=self.options.observe_responses))

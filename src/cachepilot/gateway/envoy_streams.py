@@ -1,0 +1,303 @@
+"""CachePilot's own Envoy config, as streams: Envoy's messages in, the director's calls out.
+
+Routing stream (one per request; Envoy waits for its answers). By default (gRPC metadata
+``x-cachepilot-body: only``) it carries one message, the whole request body: Envoy's route
+matched the method and path (named in ``x-cachepilot-path``) and refused declared lengths
+over the limit, so the gateway parses, routes and answers once, with the ordered fallback
+list, the chosen worker and the decision id in ``envoy.lb`` metadata, or with a JSON error
+(ImmediateResponse). Other configurations are understood too: a headers message first
+(``x-cachepilot-body: buffered``: the headers answered at once, the body's answer routes
+with the destination header as well), a STREAMED body (the headers answered at the last
+chunk, then one answer per chunk), and a routing stream that also carries the response
+(``x-cachepilot-observe: sync``).
+
+Observing stream (``observability_mode``: Envoy sends and never waits). Its first message
+names the decision (forwarded ``envoy.lb`` metadata, or a header); the :class:`Handover`
+gives it the routed exchange, whose response it then feeds to the director. A routed
+exchange no observing stream takes over within ``unobserved_after_s`` is released as
+aborted (:meth:`Handover.sweep`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from cachepilot.core.decision import Decision
+from cachepilot.core.request import RequestError
+from cachepilot.gateway.director import Director, Exchange, GatewayOptions
+from cachepilot.gateway.protocol import (
+    CHOSEN_KEY,
+    DECISION_HEADER,
+    DECISION_KEY,
+    DESTINATION_HEADER,
+    ERROR_HEADER,
+    WORKER_HEADER,
+    fallback_list,
+    header_mutation,
+    header_value,
+    immediate,
+    lb_metadata,
+    lb_value,
+    request_line,
+)
+
+log = logging.getLogger("cachepilot.gateway")
+
+_CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+
+
+@dataclass
+class RoutingStream:
+    """One routing stream: its exchange and how Envoy's config says it flows."""
+
+    ex: Exchange = field(default_factory=Exchange)
+    buffered: bool = False  # the body comes whole, after the headers' (immediate) answer
+    body_only: bool = False  # no headers message: the whole body is the stream's first
+    observe: str = ""  # "async", "sync" or "off", as Envoy's config says ("": the default)
+    sees_response: bool = False  # the response came on this stream
+    body: bytearray = field(default_factory=bytearray)
+    chunks: int = 0  # request body messages not yet answered
+
+
+class Handover:
+    """Routed exchanges an observing stream will take over, by decision id, and those whose
+    routing stream ended before one did (oldest first)."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, Exchange] = {}
+        self.unobserved: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
+
+    def expect(self, d: Decision, ex: Exchange) -> None:
+        self.live[d.id] = ex
+
+    def park(self, d: Decision, ex: Exchange, now: float) -> None:
+        """The routing stream ended first: wait for the observing stream."""
+        self.unobserved[d.id] = (ex, now)
+
+    def take(self, decision_id: str | None) -> Exchange | None:
+        ex = None if decision_id is None else self.live.pop(decision_id, None)
+        if ex is not None:
+            self.unobserved.pop(decision_id, None)  # type: ignore[arg-type]
+        return ex
+
+    def forget(self, d: Decision) -> None:
+        self.live.pop(d.id, None)
+        self.unobserved.pop(d.id, None)
+
+    def sweep(self, now: float, after_s: float) -> list[Exchange]:
+        """Exchanges parked longer than ``after_s`` (forgotten here; the caller ends them)."""
+        out = []
+        while self.unobserved:
+            decision_id, (ex, since) = next(iter(self.unobserved.items()))
+            if now - since < after_s:
+                break
+            self.unobserved.popitem(last=False)
+            self.live.pop(decision_id, None)
+            if not ex.done:
+                out.append(ex)
+        return out
+
+
+class EnvoyStreams:
+    """Our protocol's adapter: routing and observing streams over one :class:`Director`."""
+
+    def __init__(self, director: Director) -> None:
+        self.director = director
+        self.handover = Handover()
+
+    @property
+    def options(self) -> GatewayOptions:
+        return self.director.options
+
+    # -- routing stream -----------------------------------------------------------------------
+    def handle(self, s: RoutingStream, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """Answer one message from Envoy: zero or more responses, in the order Envoy expects."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(s, msg.request_headers)
+        if kind == "request_body":
+            if s.body_only:
+                return self._whole_body(s, msg.request_body)
+            return self._request_body(s, msg.request_body)
+        if kind == "response_headers":
+            if s.ex.decision is not None:  # the routing stream carries the response itself
+                s.sees_response = True
+            return [self._response_headers(s.ex, msg.response_headers)]
+        if kind == "response_body":
+            self.director.response_chunk(s.ex, msg.response_body.body,
+                                         msg.response_body.end_of_stream)
+            return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
+        if kind == "request_trailers":
+            return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+        if kind == "response_trailers":
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
+        raise RequestError(400, f"unexpected ext_proc message {kind!r}")
+
+    def _request_headers(self, s: RoutingStream, msg: ep.HttpHeaders
+                         ) -> list[ep.ProcessingResponse]:
+        method, path, length = request_line(msg)
+        err = self.director.begin(s.ex, method, path, length, end_of_stream=msg.end_of_stream)
+        if err is not None:
+            return [immediate(err)]
+        if not s.ex.inference:  # GET /v1/models, /health, …: any ready worker answers
+            target = self.director.any_worker(s.ex)
+            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+                response=ep.CommonResponse() if target is None else ep.CommonResponse(
+                    header_mutation=header_mutation({DESTINATION_HEADER: target}),
+                    clear_route_cache=True)))]
+        if s.buffered:  # Envoy sends the body once the headers are answered
+            return [_CONTINUE_HEADERS]
+        return []  # answered with the destination once the body is complete
+
+    def _whole_body(self, s: RoutingStream, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        """Body-only routing: the stream's one message is the whole body of a POST to the
+        path Envoy's route named. The answer routes through envoy.lb metadata; Envoy's buffer
+        filter holds the headers until it comes, and clearing the route cache lets the route
+        see the metadata."""
+        d = self.director
+        ex = s.ex
+        d.begin(ex, "POST", ex.path)
+        if not ex.inference:
+            return [immediate(d.fail(ex, RequestError(
+                500, f"Envoy's route names no inference path for this body ({ex.path!r}); "
+                     "is its config the gateway's?", code="proxy_config")))]
+        err = d.check_size(ex, len(msg.body))
+        if err is None and not msg.body:
+            err = d.fail(ex, RequestError(400, "request body is empty"))
+        if err is not None:
+            return [immediate(err)]
+        try:
+            decision = self._route(s, msg.body)
+        except RequestError as err:
+            return [immediate(err)]
+        # Envoy applies no header mutation here (it sent no headers), but its default route
+        # cache action clears the cache only for an answer that has one: this one makes the
+        # route see the metadata (fail-open's picked route).
+        return [ep.ProcessingResponse(
+            request_body=ep.BodyResponse(response=_routed(decision)),
+            dynamic_metadata=lb_metadata(fallback_list(decision), **{
+                DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}))]
+
+    def _request_body(self, s: RoutingStream, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        if not s.ex.inference:
+            return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
+        s.chunks += 1
+        if msg.end_of_stream and not s.body:  # the whole body in one message: no copy
+            raw = msg.body
+        else:
+            s.body += msg.body
+            raw = bytes(s.body) if msg.end_of_stream else b""
+        err = self.director.check_size(s.ex, len(raw or s.body))
+        if err is not None:
+            return [immediate(err)]
+        if not msg.end_of_stream:
+            return []
+        s.body = bytearray()
+        try:
+            decision = self._route(s, raw)
+        except RequestError as err:
+            return [immediate(err)]
+        common = _routed(decision)
+        metadata = lb_metadata(fallback_list(decision))
+        if s.buffered:  # the headers wait for the body's answer, which carries the routing
+            s.chunks = 0
+            return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
+                                          dynamic_metadata=metadata)]
+        out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
+                                     dynamic_metadata=metadata)]
+        out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * s.chunks
+        s.chunks = 0
+        return out
+
+    def _route(self, s: RoutingStream, raw: bytes) -> Decision:
+        decision = self.director.route(s.ex, raw)
+        opts = self.options
+        if s.observe == "async" or (not s.observe and opts.observe_responses
+                                    and opts.observe_async):
+            self.handover.expect(decision, s.ex)
+            self.sweep(s.ex.started)  # also here: the stall watch may be off
+        return decision
+
+    def routing_ended(self, s: RoutingStream) -> None:
+        """A routing stream closed. A routed exchange waits for its observing stream (which
+        ends it); otherwise the request is over, however it ended."""
+        ex, d = s.ex, s.ex.decision
+        if d is not None and not ex.done and not s.sees_response and d.id in self.handover.live:
+            self.handover.park(d, ex, self.director.clock())
+            return
+        if d is not None:
+            self.handover.forget(d)
+        self.director.finish(ex, aborted=True)
+
+    # -- observing stream ---------------------------------------------------------------------
+    def observe(self, ex: Exchange | None, msg: ep.ProcessingRequest) -> Exchange | None:
+        """One message of an observing stream (Envoy does not wait for an answer). The first,
+        the request headers, names the decision: returns the exchange the stream takes over
+        (None: not a routed request, nothing to observe)."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            return self._bind(msg)
+        if ex is None and kind == "response_headers":  # no request headers: bind here
+            ex = self._bind(msg)
+        if ex is None:
+            return None
+        if kind == "response_headers":
+            self._response_headers(ex, msg.response_headers)
+        elif kind == "response_body":
+            self.director.response_chunk(ex, msg.response_body.body,
+                                         msg.response_body.end_of_stream)
+        return ex
+
+    def observing_ended(self, ex: Exchange | None) -> None:
+        """An observing stream closed: its request is over, however it ended."""
+        if ex is not None:
+            self.director.finish(ex, aborted=True)
+
+    def _bind(self, msg: ep.ProcessingRequest) -> Exchange | None:
+        """The routed exchange whose decision id this message carries: in the envoy.lb
+        metadata Envoy forwards (a body-only routing answer set it), else in the headers
+        (request headers: set by the routing stream; response headers: added by the route)."""
+        decision_id = lb_value(msg, DECISION_KEY)
+        if decision_id is None:
+            headers = (msg.request_headers if msg.HasField("request_headers")
+                       else msg.response_headers)
+            decision_id = next((header_value(h) for h in headers.headers.headers
+                                if h.key == DECISION_HEADER), None)
+        return self.handover.take(decision_id)
+
+    def sweep(self, now: float) -> None:
+        """Release routed requests no observing stream took over in time (oldest first)."""
+        limit = self.options.unobserved_after_s
+        for ex in self.handover.sweep(now, limit):
+            log.warning("no observing stream for decision %s after %.0fs; released as "
+                        "aborted (is Envoy's config the gateway's?)",
+                        ex.decision.id if ex.decision else "?", limit)
+            self.director.finish(ex, aborted=True)
+
+    # -- response (either stream) -------------------------------------------------------------
+    def _response_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
+        status = answered_by = error = None
+        for h in msg.headers.headers:
+            if h.key == ":status":
+                status = header_value(h)
+            elif h.key == WORKER_HEADER:
+                answered_by = header_value(h)
+            elif h.key == ERROR_HEADER:
+                error = header_value(h)
+        self.director.response_started(ex, status, answered_by, error, msg.end_of_stream)
+        d = ex.decision
+        if d is None:
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=header_mutation({DECISION_HEADER: d.id}))))
+
+
+def _routed(d: Decision) -> ep.CommonResponse:
+    """The routing answer's common part: the destination and decision id headers, and a
+    cleared route cache so the route sees them (and any envoy.lb metadata beside them)."""
+    return ep.CommonResponse(header_mutation=header_mutation(
+        {DESTINATION_HEADER: d.chosen, DECISION_HEADER: d.id}), clear_route_cache=True)
