@@ -13,7 +13,7 @@ from cachepilot.core.cost import Weights
 from cachepilot.core.fingerprint import BlockConfig
 from cachepilot.core.kv_events import BlockStored
 from cachepilot.core.router import static_router
-from cachepilot.gateway.kv_events import port_endpoints
+from cachepilot.datalayer.kv_events import port_endpoints
 from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 from cachepilot.tooling.stack import free_port_pair

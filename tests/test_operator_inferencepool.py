@@ -31,7 +31,7 @@ from test_operator_kmock import (
 
 from cachepilot.core import Router
 from cachepilot.core.kv_events import BlockStored
-from cachepilot.gateway.kv_events import KVEventHub, follow_pools
+from cachepilot.datalayer.kv_events import KVEventHub, follow_pools
 from cachepilot.operator import KVEventSources, OperatorOptions, run_operator
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.crd import GROUP, KIND, PLURAL, VERSION

@@ -3,7 +3,7 @@
 Each test starts ``run_operator`` on the test's event loop, drives the "cluster" through
 HTTP (so kopf's watch streams see every change) and checks the router, the status
 subresource and the Events. Worker metrics come from a scripted scraper with the same
-signature as ``cachepilot.gateway.scrape.scrape_once``.
+signature as ``cachepilot.datalayer.scrape.scrape_once``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import time
 from aiohttp import web
 
 from cachepilot.core import BlockConfig, Pool, PoolSpec, Router
-from cachepilot.gateway.scrape import Scraper, parse_props
+from cachepilot.datalayer.scrape import Scraper, parse_props
 
 METRICS = """# TYPE llamacpp:requests_processing gauge
 llamacpp:requests_processing 1

@@ -129,7 +129,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
-    from cachepilot.gateway.kv_events import port_endpoints
+    from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
     from cachepilot.gateway.service import GatewayOptions
 

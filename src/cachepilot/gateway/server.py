@@ -23,10 +23,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.router import Router
 from cachepilot.core.sync import ReplicaSync
+from cachepilot.datalayer.kv_events import EndpointsFor, KVEventHub, follow_pools
+from cachepilot.datalayer.scrape import Scraper
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
-from cachepilot.gateway.kv_events import EndpointsFor, KVEventHub, follow_pools
 from cachepilot.gateway.replica_bus import ReplicaBus
-from cachepilot.gateway.scrape import Scraper
 from cachepilot.gateway.service import (
     DecisionSink,
     ExtProcServicer,
@@ -62,7 +62,7 @@ class GatewayConfig:
     replica_bus: str | None = None
     replica_id: str = ""  # this replica's name on the bus (default: host and pid)
     replica_subject: str = "cachepilot.sync"  # one per deployment sharing a NATS server
-    # vLLM KV-cache events (cachepilot.gateway.kv_events): where each worker publishes them
+    # vLLM KV-cache events (cachepilot.datalayer.kv_events): where each worker publishes them
     # (None: no subscriptions; the directory stays routing-learned).
     kv_endpoints: EndpointsFor | None = None
 

@@ -34,7 +34,7 @@ import aiohttp
 import kopf
 
 from cachepilot.core import Router
-from cachepilot.gateway.scrape import scrape_once
+from cachepilot.datalayer.scrape import scrape_once
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.aio import wait_stopped

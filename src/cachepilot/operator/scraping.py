@@ -17,7 +17,7 @@ import aiohttp
 from cachepilot.core import WorkerMetrics
 from cachepilot.operator.state import Member, PoolState, log
 
-# The scraper's contract (cachepilot.gateway.scrape.scrape_once): raise on any failure.
+# The scraper's contract (cachepilot.datalayer.scrape.scrape_once): raise on any failure.
 ScrapeFn = Callable[[aiohttp.ClientSession, str, str, float, Callable[[], float]],
                     Awaitable[WorkerMetrics]]
 

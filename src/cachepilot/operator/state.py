@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachepilot.core import Pool
-from cachepilot.gateway.kv_events import Endpoints
+from cachepilot.datalayer.kv_events import Endpoints
 from cachepilot.operator.spec import InvalidSpec, PoolConfig
 
 # One logger name for all the controller's parts: the gateway's log lines show the name,

@@ -23,7 +23,7 @@ import orjson
 from cachepilot.core.pool import Pool
 from cachepilot.core.router import Router
 from cachepilot.core.workers import WorkerMetrics, WorkerState
-from cachepilot.gateway.engine_metrics import parse_metrics
+from cachepilot.datalayer.engine_metrics import parse_metrics
 
 log = logging.getLogger("cachepilot.scrape")
 
