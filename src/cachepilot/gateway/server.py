@@ -24,7 +24,7 @@ from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.router import Router
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.datalayer.kv_events import EndpointsFor, KVEventHub, follow_pools
-from cachepilot.datalayer.scrape import Scraper
+from cachepilot.datalayer.scrape import Scraper, StaticTargets
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
 from cachepilot.gateway.replica_bus import ReplicaBus
 from cachepilot.gateway.service import (
@@ -47,9 +47,8 @@ class GatewayConfig:
     admin_host: str = "127.0.0.1"  # loopback unless an admin token is set
     admin_port: int = 9090
     admin_token: str | None = None
-    scrape_interval_s: float = 0.25
+    scrape_interval_s: float = 0.25  # these two: static workers (a CachePilotPool has its own)
     scrape_timeout_s: float = 1.0
-    scrape: bool = True  # off when the operator scrapes instead
     options: GatewayOptions | None = None
     grace_s: float = 5.0
     decision_log: str | None = None  # record every decision here (LMDB directory)
@@ -90,8 +89,9 @@ class Gateway:
                                   subject=self.config.replica_subject)
         self.processor = Processor(router, metrics=self.metrics, sink=self.sink,
                                    options=options)
-        self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
-                               timeout_s=self.config.scrape_timeout_s)
+        # The one scrape loop; the operator, if any, binds its pools' settings to it.
+        self.scraper = Scraper(router, StaticTargets(self.config.scrape_interval_s,
+                                                     self.config.scrape_timeout_s))
         self.kv_events = KVEventHub()
         self.health = health.aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
@@ -110,8 +110,7 @@ class Gateway:
             raise OSError(f"cannot listen on {self.config.grpc_address}")
         await server.start()
         self._grpc = server
-        if self.config.scrape:
-            self._tasks.append(asyncio.create_task(self.scraper.run()))
+        self._tasks.append(asyncio.create_task(self.scraper.run()))
         if self.config.stall_after_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_stalls()))
         if self.bus is not None:
