@@ -25,7 +25,7 @@ from cachepilot.core.cost import Weights
 from cachepilot.core.fingerprint import BlockConfig
 from cachepilot.core.kv_events import BlockStored
 from cachepilot.core.router import static_router
-from cachepilot.gateway.kv_events import port_endpoints
+from cachepilot.datalayer.kv_events import port_endpoints
 from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.sim.workloads import Dist, WorkloadSpec, generate
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
@@ -33,7 +33,7 @@ from cachepilot.tooling.loadgen import chat_body, run
 from cachepilot.tooling.stack import LocalStack, StackConfig, free_port_pair
 
 MODEL = "sim-llama-8b"
-KV_WORKER = "127.0.0.1:1"  # never scraped: only its events matter
+KV_WORKER = "127.0.0.1:1"  # nothing listens (its scrapes fail): only its events matter
 
 
 @dataclass
@@ -101,7 +101,7 @@ async def _kv_event_scrape() -> str:
     pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
     router = static_router([KV_WORKER], policy="priced", weights=Weights(), models=(),
                            block=BlockConfig(16), capacity_blocks=1000, engine="vllm")
-    gw = Gateway(router, GatewayConfig(grpc_address="127.0.0.1:0", admin_port=0, scrape=False,
+    gw = Gateway(router, GatewayConfig(grpc_address="127.0.0.1:0", admin_port=0,
                                        stall_after_s=0,
                                        kv_endpoints=port_endpoints(port, port + 1, "kv-events")))
     await gw.start()

@@ -13,7 +13,7 @@ from cachepilot.core.cost import Weights
 from cachepilot.core.fingerprint import BlockConfig
 from cachepilot.core.kv_events import BlockStored
 from cachepilot.core.router import static_router
-from cachepilot.gateway.kv_events import port_endpoints
+from cachepilot.datalayer.kv_events import port_endpoints
 from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 from cachepilot.tooling.stack import free_port_pair
@@ -22,11 +22,11 @@ from cachepilot.tooling.stack import free_port_pair
 async def test_the_gateway_attaches_to_each_workers_events_and_reports_the_mode() -> None:
     port = free_port_pair()
     pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
-    worker = "127.0.0.1:1"  # never scraped: only its events matter here
+    worker = "127.0.0.1:1"  # nothing listens (its scrapes fail): only its events matter here
     router = static_router([worker], policy="priced", weights=Weights(), models=(),
                            block=BlockConfig(16), capacity_blocks=1000, engine="vllm")
     gw = Gateway(router, GatewayConfig(grpc_address="127.0.0.1:0", admin_port=0,
-                                       scrape=False, stall_after_s=0,
+                                       stall_after_s=0,
                                        kv_endpoints=port_endpoints(port, port + 1,
                                                                    "kv-events")))
     await gw.start()

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from test_crd_schema import to_jsonschema, validate_pool
 
-from cachepilot.gateway.kv_events import Endpoints
+from cachepilot.datalayer.kv_events import Endpoints
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.spec import (

@@ -199,7 +199,8 @@ def test_every_error_code_comes_back_through_envoy(embedded) -> None:
     # its current sleep leads to) has finished, the scraper sleeps for an hour.
     scraper = gw.gateway.scraper
     # Each worker has its own loop: once every one has finished a scrape, all sleep an hour.
-    counts = gw.call(lambda: (setattr(scraper, "interval_s", 3600), dict(scraper.scrapes))[1])
+    counts = gw.call(lambda: (setattr(scraper.targets, "interval_s", 3600),
+                              dict(scraper.scrapes))[1])
     until(lambda: all(n > counts.get(a, 0)
                       for a, n in gw.call(lambda: dict(scraper.scrapes)).items()),
           what="last scrape round")

@@ -17,7 +17,7 @@ import pytest
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from cachepilot.gateway.kv_events import Endpoints, KVEventHub, decode_batch
+from cachepilot.datalayer.kv_events import Endpoints, KVEventHub, decode_batch
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 
 TIMINGS = {"tick": 0.02, "heartbeat_every": 0.2, "replay_timeout": 0.3, "stale_after": 1.0}
@@ -205,7 +205,7 @@ def test_decode_matches_vllms_struct_encoding() -> None:
 async def test_follow_pools_attaches_and_detaches_as_workers_come_and_go(hub) -> None:
     from types import SimpleNamespace
 
-    from cachepilot.gateway.kv_events import port_endpoints, sync_pools
+    from cachepilot.datalayer.kv_events import port_endpoints, sync_pools
 
     e1, e2 = Engine(), Engine()
     d = directory("10.0.0.1:8000", "10.0.0.2:8000")

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
-from cachepilot.gateway.kv_events import Endpoints, KVEventHub
+from cachepilot.datalayer.kv_events import Endpoints, KVEventHub
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.tooling.kv_event_publisher import EngineTap, KVEventPublisher
 from cachepilot.tooling.sim_worker import WorkerConfig, make_app

@@ -13,7 +13,7 @@ import pytest
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
 from cachepilot.core.request import flatten_messages
-from cachepilot.gateway.engine_metrics import parse_metrics
+from cachepilot.datalayer.engine_metrics import parse_metrics
 from cachepilot.tooling import llamacpp
 from cachepilot.tooling.llamacpp import (
     WORKLOAD,

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from test_crd_schema import to_jsonschema, validate_pool
 from test_inferencepool import validate_inference_pool
-from test_operator_kmock import Scraper, eventually
+from test_operator_kmock import eventually
 
 from cachepilot.cli.worker import sim_worker_cmd
 from cachepilot.core import Router
@@ -243,8 +243,7 @@ async def test_kubectl_apply_of_an_inference_pool_makes_the_operator_build_the_p
                               resync_period_s=0.5, status_tick_s=0.05)
     task = asyncio.create_task(run_operator(
         router, namespace=NS, stop_flag=stop, ready_flag=ready, identity="gw-0",
-        login=lambda: kopf.ConnectionInfo(server=kubectl.url), scrape=Scraper(),
-        options=options))
+        login=lambda: kopf.ConnectionInfo(server=kubectl.url), options=options))
     try:
         async with asyncio.timeout(10):
             await ready.wait()

@@ -1,6 +1,6 @@
 import pytest
 
-from cachepilot.gateway.engine_metrics import parse_metrics
+from cachepilot.datalayer.engine_metrics import parse_metrics
 
 VLLM = """# HELP vllm:num_requests_waiting Number of requests waiting.
 # TYPE vllm:num_requests_waiting gauge

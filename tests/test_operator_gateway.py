@@ -77,13 +77,13 @@ async def test_the_chart_pod_on_one_machine(cluster: Cluster, workers: int) -> N
     for i, host in enumerate(HOSTS):
         await cluster.create(PODS, pod(f"w{i}", host, port=port))
     router = Router()
-    gateway = Gateway(router, GatewayConfig(grpc_address="127.0.0.1:0", admin_port=0,
-                                            scrape=False))
+    gateway = Gateway(router, GatewayConfig(grpc_address="127.0.0.1:0", admin_port=0))
     await gateway.start()
     stop, ready = asyncio.Event(), asyncio.Event()
     gateway.add_task(run_operator(router, namespace=NS, stop_flag=stop, ready_flag=ready,
                                   identity="gw-0", options=FAST,
-                                  login=lambda: kopf.ConnectionInfo(server=cluster.url)))
+                                  login=lambda: kopf.ConnectionInfo(server=cluster.url),
+                                  scraper=gateway.scraper))
     envoy = None
     try:
         async with asyncio.timeout(10):

@@ -22,7 +22,7 @@ from test_operator_kmock import (
     POOLS,
     Cluster,
     Operator,
-    Scraper,
+    ScriptedScrape,
     eventually,
     holds_for,
     pod,
@@ -31,7 +31,7 @@ from test_operator_kmock import (
 
 from cachepilot.core import Router
 from cachepilot.core.kv_events import BlockStored
-from cachepilot.gateway.kv_events import KVEventHub, follow_pools
+from cachepilot.datalayer.kv_events import KVEventHub, follow_pools
 from cachepilot.operator import KVEventSources, OperatorOptions, run_operator
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.crd import GROUP, KIND, PLURAL, VERSION
@@ -73,7 +73,7 @@ def workers(router: Router, name: str) -> dict[str, bool]:
 
 
 async def test_an_inference_pool_picked_by_us_becomes_a_pool(cluster: Cluster) -> None:
-    scraper = Scraper()
+    scraper = ScriptedScrape()
     for i in (1, 2):
         await cluster.create(PODS, vllm_pod(f"v{i}", f"10.0.0.{i}"))
     await cluster.create(PODS, vllm_pod("web", "10.0.9.9", labels={"app": "web"}))
@@ -120,7 +120,7 @@ async def test_an_inference_pool_picked_by_us_becomes_a_pool(cluster: Cluster) -
 async def test_a_cachepilot_pool_takes_over_an_inference_pool(cluster: Cluster) -> None:
     for i in (1, 2):
         await cluster.create(PODS, vllm_pod(f"v{i}", f"10.0.0.{i}", ports=(8000,)))
-    async with Operator(cluster, Scraper(), "gw-0", OPTIONS) as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0", OPTIONS) as op:
         await cluster.create(INFPOOLS, infpool("llama"))
         bare = ip.router_pool_name("llama")
         await eventually(lambda: len(op.router.pools[bare].workers) == 2)
@@ -154,7 +154,7 @@ async def test_a_cachepilot_pool_takes_over_an_inference_pool(cluster: Cluster) 
 
 
 async def test_a_reference_to_a_missing_inference_pool_is_a_condition(cluster: Cluster) -> None:
-    async with Operator(cluster, Scraper(), "gw-0", OPTIONS) as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0", OPTIONS) as op:
         body = pool("tuned", inferencePoolRef={"name": "nope"})
         del body["spec"]["selector"], body["spec"]["port"]
         await cluster.create(POOLS, body)
@@ -177,7 +177,7 @@ async def test_a_reference_to_a_missing_inference_pool_is_a_condition(cluster: C
 async def test_inference_pools_are_not_watched_unless_asked(cluster: Cluster) -> None:
     await cluster.create(PODS, vllm_pod("v1", "10.0.0.1", ports=(8000,)))
     await cluster.create(INFPOOLS, infpool("llama"))
-    async with Operator(cluster, Scraper(), "gw-0", FAST) as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0", FAST) as op:
         body = pool("tuned", inferencePoolRef={"name": "llama"})
         del body["spec"]["selector"], body["spec"]["port"]
         await cluster.create(POOLS, body)
@@ -197,7 +197,7 @@ async def operator_with_kv_hub(cluster: Cluster, options: OperatorOptions
     sources, hub = KVEventSources(), KVEventHub(tick=0.05)
     task = asyncio.create_task(run_operator(
         router, namespace=NS, stop_flag=stop, ready_flag=ready, identity="gw-0",
-        login=lambda: kopf.ConnectionInfo(server=cluster.url), scrape=Scraper(),
+        login=lambda: kopf.ConnectionInfo(server=cluster.url),
         options=options, kv_events=sources))
     follow = asyncio.create_task(follow_pools(hub, router.pools, sources, every_s=0.05))
     try:
@@ -259,6 +259,6 @@ async def test_kv_event_publishers_are_followed_as_pods_come_and_go(cluster: Clu
         pub.close()
     warnings = {r.data["reason"] for r in cluster.requests("POST", EVENTS)
                 if r.data["type"] == "Warning"}
-    # The pool came before its pods; on a slow machine a scrape may also fall behind (what
-    # this test checks is the KV-event sources, not scraping).
+    # The pool came before its pods; nothing scrapes here, so metrics may be reported stale
+    # (what this test checks is the KV-event sources, not scraping).
     assert warnings <= {"NoMatchingPods", "MetricsStale"}, warnings

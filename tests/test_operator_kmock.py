@@ -2,8 +2,9 @@
 
 Each test starts ``run_operator`` on the test's event loop, drives the "cluster" through
 HTTP (so kopf's watch streams see every change) and checks the router, the status
-subresource and the Events. Worker metrics come from a scripted scraper with the same
-signature as ``cachepilot.gateway.scrape.scrape_once``.
+subresource and the Events. Worker metrics come from the one scrape loop
+(``cachepilot.datalayer.scrape.Scraper``, as the gateway runs it) with a scripted metrics
+fetch in place of ``cachepilot.datalayer.engines.scrape_once``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from cachepilot.core import (
     RoutingError,
     WorkerMetrics,
 )
+from cachepilot.datalayer.engines import scrape_once
+from cachepilot.datalayer.scrape import Scraper
 from cachepilot.operator import OperatorOptions, run_operator
 from cachepilot.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
@@ -45,7 +48,7 @@ FAST = OperatorOptions(status_min_interval_s=0.3, status_tick_s=0.05, lease_dura
                        resync_period_s=0.5, restart_backoffs=(0.1,))
 
 
-class Scraper:
+class ScriptedScrape:
     """Scripted metrics per URL; an Exception value makes that worker's scrape fail."""
 
     def __init__(self) -> None:
@@ -165,14 +168,25 @@ async def cluster(kmock: K.KubernetesEmulator) -> AsyncIterator[Cluster]:
 class Operator:
     """One gateway replica's operator: its own router, running until stopped."""
 
-    def __init__(self, cluster: Cluster, scraper: Scraper, identity: str,
+    def __init__(self, cluster: Cluster, scrape: ScriptedScrape | None, identity: str,
                  options: OperatorOptions = FAST) -> None:
         self.router = Router()
         self.stop, self.ready = asyncio.Event(), asyncio.Event()
-        login = lambda: kopf.ConnectionInfo(server=cluster.url)  # noqa: E731
-        self.task = asyncio.create_task(run_operator(
-            self.router, namespace=NS, stop_flag=self.stop, ready_flag=self.ready,
-            identity=identity, login=login, scrape=scraper, options=options))
+        self.scraper = Scraper(self.router, scrape=scrape or scrape_once)
+        self.task = asyncio.create_task(self._run(cluster, identity, options))
+
+    async def _run(self, cluster: Cluster, identity: str, options: OperatorOptions) -> None:
+        """The operator and, as in the gateway, the scrape loop it feeds; cancelling this
+        task (or the operator ending) stops both."""
+        scraping = asyncio.create_task(self.scraper.run())
+        try:
+            await run_operator(self.router, namespace=NS, stop_flag=self.stop,
+                               ready_flag=self.ready, identity=identity,
+                               login=lambda: kopf.ConnectionInfo(server=cluster.url),
+                               scraper=self.scraper, options=options)
+        finally:
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
 
     @staticmethod
     def default_options(**changes: Any) -> OperatorOptions:
@@ -207,7 +221,7 @@ async def three_pods(c: Cluster) -> None:
 
 
 async def test_ready_pods_become_workers_and_scrapes_reach_the_router(cluster: Cluster) -> None:
-    scraper = Scraper()
+    scraper = ScriptedScrape()
     scraper.values["http://10.0.0.2:8000/metrics"] = {"waiting": 7, "running": 3,
                                                        "kv_usage": 0.5}
     await three_pods(cluster)
@@ -239,7 +253,7 @@ async def test_several_pools_route_by_model_to_their_own_workers(cluster: Cluste
         await cluster.create(PODS, pod(f"a{i}", f"10.0.1.{i}", labels={"app": "a"}))
         await cluster.create(PODS, pod(f"b{i}", f"10.0.2.{i}", labels={"app": "b"}))
     await cluster.create(PODS, pod("ab", "10.0.3.1", labels={"app": "a", "tier": "b"}))
-    async with Operator(cluster, Scraper(), "gw-0") as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0") as op:
         await cluster.create(POOLS, pool("pa", models=["ma"],
                                          selector={"matchLabels": {"app": "a"}}))
         await cluster.create(POOLS, pool("pb", models=["mb"], selector={"matchExpressions": [
@@ -269,7 +283,7 @@ async def test_several_pools_route_by_model_to_their_own_workers(cluster: Cluste
 async def test_not_ready_terminating_and_deleted_pods_get_no_new_requests(
         cluster: Cluster) -> None:
     await three_pods(cluster)
-    async with Operator(cluster, Scraper(), "gw-0") as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0") as op:
         await cluster.create(POOLS, pool("p", routing={"policy": "round_robin"}))
         await eventually(lambda: len(op.workers()) == 3 and all(
             w.metrics for w in op.router.pools["p"].workers.values()))
@@ -295,7 +309,7 @@ async def test_not_ready_terminating_and_deleted_pods_get_no_new_requests(
 
 async def test_status_is_written_at_a_bounded_rate_with_events(cluster: Cluster) -> None:
     await three_pods(cluster)
-    async with Operator(cluster, Scraper(), "gw-0") as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0") as op:
         await cluster.create(POOLS, pool("p"))
         # Under load the pod watch may deliver the third pod after the pool: wait for it.
         await eventually(lambda: cluster.condition("p")["status"] == "True"
@@ -340,7 +354,7 @@ async def test_status_is_written_at_a_bounded_rate_with_events(cluster: Cluster)
 async def test_invalid_pools_get_conditions_and_the_operator_carries_on(
         cluster: Cluster) -> None:
     await three_pods(cluster)
-    async with Operator(cluster, Scraper(), "gw-0") as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0") as op:
         await cluster.create(POOLS, pool("badpolicy", routing={"policy": "fastest"}))
         await cluster.create(POOLS, pool("nomatch", models=["m2"],
                                          selector={"matchLabels": {"app": "nothing"}}))
@@ -380,7 +394,7 @@ async def test_invalid_pools_get_conditions_and_the_operator_carries_on(
 
 async def test_stale_and_failing_scrapes_show_in_status_and_are_avoided(
         cluster: Cluster) -> None:
-    scraper = Scraper()
+    scraper = ScriptedScrape()
     await three_pods(cluster)
     async with Operator(cluster, scraper, "gw-0") as op:
         await cluster.create(POOLS, pool("p", scrape={"intervalSeconds": 0.05, "engine": "sim",
@@ -433,7 +447,7 @@ async def test_api_failures_are_retried(cluster: Cluster) -> None:
     kmock[K.action.UPDATE, K.subresource("status")] << fail("status", 503)
     kmock[K.resource("v1/events"), K.action.CREATE] << fail("events", 500)
     await three_pods(cluster)
-    async with Operator(cluster, Scraper(), "gw-0") as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0") as op:
         await cluster.create(POOLS, pool("p"))
         await eventually(lambda: len(op.workers()) == 3)
         await eventually(lambda: cluster.condition("p")["status"] == "True")
@@ -459,7 +473,7 @@ async def test_watcher_outlives_an_api_outage_and_resync_catches_missed_deletes(
     await cluster.create(POOLS, pool("p"))
     # Pod listing is down for longer than kopf's own retries (3 here): kopf gives up, the
     # operator restarts it with backoff, and the gateway never sees an exception.
-    async with Operator(cluster, Scraper(), "gw-0") as op:
+    async with Operator(cluster, ScriptedScrape(), "gw-0") as op:
         await eventually(lambda: len(failed) >= 8)
         assert not op.task.done() and op.workers() == {}
         down["on"] = False
@@ -476,9 +490,9 @@ async def test_only_the_lease_holder_writes_and_a_successor_takes_over(
         cluster: Cluster) -> None:
     await three_pods(cluster)
     await cluster.create(POOLS, pool("p"))
-    a = await Operator(cluster, Scraper(), "gw-a").__aenter__()
+    a = await Operator(cluster, ScriptedScrape(), "gw-a").__aenter__()
     await eventually(lambda: cluster.status("p").get("writer") == "gw-a")
-    async with Operator(cluster, Scraper(), "gw-b") as b:
+    async with Operator(cluster, ScriptedScrape(), "gw-b") as b:
         # Both replicas route on their own view...
         await eventually(lambda: len(b.workers()) == 3 and len(a.workers()) == 3,
                          what="both replicas routing to the three pods")
@@ -513,7 +527,7 @@ async def test_only_the_lease_holder_writes_and_a_successor_takes_over(
 async def test_cancelling_the_operator_stops_kopf_and_releases_the_lease(
         cluster: Cluster) -> None:
     await three_pods(cluster)
-    op = await Operator(cluster, Scraper(), "gw-0").__aenter__()
+    op = await Operator(cluster, ScriptedScrape(), "gw-0").__aenter__()
     await cluster.create(POOLS, pool("p"))
     await eventually(lambda: cluster.status("p").get("writer") == "gw-0")
     assert any(t.name == "kopf" for t in threading.enumerate())
@@ -527,7 +541,7 @@ async def test_cancelling_the_operator_stops_kopf_and_releases_the_lease(
 
 async def test_operator_writes_nothing_to_pods_or_pool_specs(cluster: Cluster) -> None:
     await three_pods(cluster)
-    async with Operator(cluster, Scraper(), "gw-0"):
+    async with Operator(cluster, ScriptedScrape(), "gw-0"):
         await cluster.create(POOLS, pool("p"))
         await eventually(lambda: cluster.condition("p")["status"] == "True")
     before = [r for r in cluster.kmock if r.method.value in ("PATCH", "PUT", "POST", "DELETE")]

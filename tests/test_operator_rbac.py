@@ -24,7 +24,7 @@ from test_operator_kmock import (
     POOLS,
     Cluster,
     Operator,
-    Scraper,
+    ScriptedScrape,
     eventually,
     pod,
     pool,
@@ -87,14 +87,14 @@ async def test_role_allows_exactly_what_the_operator_does(cluster: Cluster,  # n
                   ("POST", INFPOOLS),
                   ("POST", f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases")}
     await three_pods(cluster)
-    async with Operator(cluster, Scraper(), "gw-a", options) as a:
+    async with Operator(cluster, ScriptedScrape(), "gw-a", options) as a:
         await cluster.create(POOLS, pool("p"))
         await eventually(lambda: cluster.condition("p")["status"] == "True")
         if epp:  # an InferencePool naming the chart's EPP Service becomes a pool
             await cluster.create(PODS, vllm_pod("v1", "10.0.1.1", ports=(8000,)))
             await cluster.create(INFPOOLS, infpool("llama", picker=epp_service))
             await eventually(lambda: ip.router_pool_name("llama") in a.router.pools)
-        async with Operator(cluster, Scraper(), "gw-b", options):
+        async with Operator(cluster, ScriptedScrape(), "gw-b", options):
             await cluster.delete(f"{PODS}/w1")
             await cluster.create(PODS, pod("w4", "10.0.0.4"))
             await eventually(lambda: cluster.status("p").get("workers") == 3)

@@ -1,4 +1,4 @@
-"""The operator with its default scraper (the gateway's ``scrape_once``) against real
+"""The operator feeding the one scrape loop (real HTTP: ``scrape_once``) against real
 simulated workers: three ``cachepilot sim-worker`` apps on 127.0.0.1-3, pods pointing at
 them in KMock. Metrics must flow from the workers' /metrics into the router, and load sent
 to one worker must show up there and in the pool's status."""
@@ -51,7 +51,7 @@ async def test_real_scrapes_of_sim_workers_reach_router_and_status(
     port = workers
     for i, host in enumerate(HOSTS):
         await cluster.create(PODS, pod(f"w{i}", host, port=port))
-    async with Operator(cluster, None, "gw-0") as op:  # scrape=None: the default scraper
+    async with Operator(cluster, None, "gw-0") as op:  # None: real HTTP scrapes
         await cluster.create(POOLS, pool("p", models=["sim-llama-8b"], scrape={
             "intervalSeconds": 0.1, "engine": "sim"}))
         addrs = {f"{h}:{port}" for h in HOSTS}

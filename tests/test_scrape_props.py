@@ -1,15 +1,18 @@
-"""The scraper: llama.cpp workers' slots from GET /props (read once per worker, again after a
-failure or a restart), and one worker's slow scrape not delaying the others'."""
+"""The scrape loop: llama.cpp workers' slots from GET /props (read once per worker, again after
+a failure or a restart), one worker's slow scrape not delaying the others', a joining worker
+scraped at once, and only workers declared ready scraped."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
 from cachepilot.core import BlockConfig, Pool, PoolSpec, Router
-from cachepilot.gateway.scrape import Scraper, parse_props
+from cachepilot.datalayer.engines import parse_props
+from cachepilot.datalayer.scrape import Scraper, StaticTargets, error_text
 
 METRICS = """# TYPE llamacpp:requests_processing gauge
 llamacpp:requests_processing 1
@@ -75,7 +78,7 @@ def test_llamacpp_slots_come_from_props_once_and_again_after_a_failure_or_restar
         fake = FakeLlama()
         runner, addr = await serve(fake)
         router, pool = pool_with([addr], "llamacpp")
-        scraper = Scraper(router, timeout_s=2.0)
+        scraper = Scraper(router, StaticTargets(timeout_s=2.0))
         w = pool.workers[addr]
         try:
             for _ in range(3):
@@ -105,7 +108,7 @@ def test_a_slow_worker_does_not_delay_the_others_refresh() -> None:
         servers = [await serve(fast), await serve(slow)]
         addrs = [a for _, a in servers]
         router, pool = pool_with(addrs, "llamacpp")
-        scraper = Scraper(router, interval_s=0.1, timeout_s=1.0)
+        scraper = Scraper(router, StaticTargets(interval_s=0.1, timeout_s=1.0))
         task = asyncio.create_task(scraper.run())
         try:
             await asyncio.sleep(2.5)
@@ -119,3 +122,40 @@ def test_a_slow_worker_does_not_delay_the_others_refresh() -> None:
             for runner, _ in servers:
                 await runner.cleanup()
     asyncio.run(main())
+
+
+async def _poll(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, f"{what} not in 10 s"
+        await asyncio.sleep(0.02)
+
+
+def test_only_ready_workers_are_scraped_and_a_joining_one_at_once() -> None:
+    async def main() -> None:
+        fake = FakeLlama()
+        runner, addr = await serve(fake)
+        pool = Pool(PoolSpec(block=BlockConfig(16, 4.0)))
+        pool.upsert_worker(addr, ready=False, labels={"engine": "llamacpp"})
+        scraper = Scraper(Router([pool]), StaticTargets(interval_s=3600, timeout_s=2.0))
+        try:
+            await scraper.scrape_all()
+            assert scraper.scrapes == {} and pool.workers[addr].metrics is None  # not ready
+            pool.set_ready(addr, True)
+            # It just joined: scraped now, not after an hour's interval...
+            scraper.scrape_soon("default", addr)
+            await _poll(lambda: scraper.scrapes.get(addr) == 1, "the first scrape")
+            assert pool.workers[addr].metrics.slots == 4  # type: ignore[union-attr]
+            # ...and asked again (it became ready again), its sleeping loop scrapes at once.
+            scraper.scrape_soon("default", addr)
+            await _poll(lambda: scraper.scrapes.get(addr) == 2, "the second scrape")
+        finally:
+            await scraper.close()
+            await runner.cleanup()
+    asyncio.run(main())
+
+
+def test_a_failure_says_its_type_and_is_bounded() -> None:
+    assert error_text(TimeoutError()) == "TimeoutError"
+    assert error_text(ValueError("bad")) == "ValueError: bad"
+    assert len(error_text(ValueError("x" * 1000))) == 200

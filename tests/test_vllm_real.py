@@ -14,7 +14,7 @@ from vllm_env import SHARED, VENV, prepared_model
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
-from cachepilot.gateway.kv_events import Endpoints, KVEventHub
+from cachepilot.datalayer.kv_events import Endpoints, KVEventHub
 from cachepilot.tooling.stack import free_port, free_port_pair
 from cachepilot.tooling.vllm.worker import VllmWorkers, VllmWorkerSpec
 

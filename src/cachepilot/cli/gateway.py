@@ -129,8 +129,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
+    from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.director import GatewayOptions
-    from cachepilot.gateway.kv_events import port_endpoints
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -175,7 +175,6 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
                            scrape_timeout_s=scrape_timeout,
-                           scrape=not kubernetes,  # the operator scrapes at each pool's interval
                            decision_log=decision_log, calibrate=calibrate,
                            stall_after_s=stall_after, replica_bus=replica_bus,
                            replica_id=replica_id, replica_subject=replica_subject,
@@ -200,7 +199,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
             gateway.add_task(run_operator(router, namespace=namespace, stop_flag=asyncio.Event(),
                                           options=OperatorOptions(lease_name=lease_name,
                                                                   epp_service=epp_service),
-                                          kv_events=kv_sources))
+                                          kv_events=kv_sources,
+                                          scraper=gateway.scraper))
         await serve(gateway, ready)
 
     asyncio.run(main())

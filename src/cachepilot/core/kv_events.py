@@ -3,7 +3,7 @@
 vLLM's publisher numbers its batches 0, 1, 2, … on a ZMQ PUB socket and keeps the last
 ``buffer_steps`` (10,000 by default) for replay on a ROUTER socket: ask with a start number,
 get every buffered batch from there, then an end marker. What a subscriber can miss, and
-what :class:`EventStream` does about it (the adapter, ``gateway/kv_events.py``, does the
+what :class:`EventStream` does about it (the adapter, ``datalayer/kv_events.py``, does the
 I/O and calls it on its own clock):
 
 - a gap in the numbers (PUB drops at its high-water mark, a slow subscriber): hold the

@@ -21,12 +21,12 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cachepilot.core.router import Router
+from cachepilot.datalayer.kv_events import EndpointsFor, KVEventHub, follow_pools
+from cachepilot.datalayer.scrape import Scraper, StaticTargets
 from cachepilot.gateway.director import Director, GatewayOptions
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
-from cachepilot.gateway.kv_events import EndpointsFor, KVEventHub, follow_pools
 from cachepilot.gateway.plugins import MetricsPlugin, StallTracker
 from cachepilot.gateway.replica_bus import ReplicaBus
-from cachepilot.gateway.scrape import Scraper
 from cachepilot.gateway.service import ExtProcServicer
 from cachepilot.records import open_recorder
 from cachepilot.records.explain import summary
@@ -43,9 +43,8 @@ class GatewayConfig:
     admin_host: str = "127.0.0.1"  # loopback unless an admin token is set
     admin_port: int = 9090
     admin_token: str | None = None
-    scrape_interval_s: float = 0.25
+    scrape_interval_s: float = 0.25  # these two: static workers (a CachePilotPool has its own)
     scrape_timeout_s: float = 1.0
-    scrape: bool = True  # off when the operator scrapes instead
     options: GatewayOptions | None = None
     grace_s: float = 5.0
     decision_log: str | None = None  # record every decision here (LMDB directory)
@@ -58,7 +57,7 @@ class GatewayConfig:
     replica_bus: str | None = None
     replica_id: str = ""  # this replica's name on the bus (default: host and pid)
     replica_subject: str = "cachepilot.sync"  # one per deployment sharing a NATS server
-    # vLLM KV-cache events (cachepilot.gateway.kv_events): where each worker publishes them
+    # vLLM KV-cache events (cachepilot.datalayer.kv_events): where each worker publishes them
     # (None: no subscriptions; the directory stays routing-learned).
     kv_endpoints: EndpointsFor | None = None
 
@@ -93,8 +92,9 @@ class Gateway:
         self.director = Director(router, options=options,
                                  on_passthrough=self.metrics.passthrough.inc)
         self.servicer = ExtProcServicer(self.director)
-        self.scraper = Scraper(router, interval_s=self.config.scrape_interval_s,
-                               timeout_s=self.config.scrape_timeout_s)
+        # The one scrape loop; the operator, if any, binds its pools' settings to it.
+        self.scraper = Scraper(router, StaticTargets(self.config.scrape_interval_s,
+                                                     self.config.scrape_timeout_s))
         self.kv_events = KVEventHub()
         self.health = health.aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
@@ -113,8 +113,7 @@ class Gateway:
             raise OSError(f"cannot listen on {self.config.grpc_address}")
         await server.start()
         self._grpc = server
-        if self.config.scrape:
-            self._tasks.append(asyncio.create_task(self.scraper.run()))
+        self._tasks.append(asyncio.create_task(self.scraper.run()))
         if self.config.stall_after_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_stalls()))
         if self.bus is not None:

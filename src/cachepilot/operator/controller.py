@@ -4,7 +4,8 @@ Why a facade over small parts: :mod:`cachepilot.operator.runner` wires one objec
 and the gateway's task group, while each concern lives in its own module:
 
 - :mod:`~cachepilot.operator.reconcile`: watch events → the router's pools and workers;
-- :mod:`~cachepilot.operator.scraping`: one metrics loop per pool (metrics → router);
+- :mod:`~cachepilot.operator.scrape_sources`: each pool's scrape settings, for the gateway's
+  one scrape loop (:class:`cachepilot.datalayer.scrape.Scraper`);
 - :mod:`~cachepilot.operator.status`: the status subresource, rate-limited;
 - :mod:`~cachepilot.operator.events`: Kubernetes Events, posted in the background;
 - :mod:`~cachepilot.operator.resync`: the periodic relist that catches missed deletions.
@@ -20,30 +21,28 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-
 from cachepilot.core import Router
+from cachepilot.datalayer.scrape import Scraper
 from cachepilot.operator import resync as relist
 from cachepilot.operator.events import EventPoster
 from cachepilot.operator.kube import KubeClient
 from cachepilot.operator.kv_sources import KVEventSources
 from cachepilot.operator.options import OperatorOptions
 from cachepilot.operator.reconcile import Reconciler
-from cachepilot.operator.scraping import PoolScraper, ScrapeFn
+from cachepilot.operator.scrape_sources import ScrapeSources
 from cachepilot.operator.spec import PodView
 from cachepilot.operator.state import Member, PoolState, rfc3339
 from cachepilot.operator.status import PROBLEM_REASONS, STATUS_WORKERS_MAX, StatusWriter
 
 __all__ = ["PROBLEM_REASONS", "STATUS_WORKERS_MAX", "Controller", "KVEventSources", "Member",
-           "OperatorOptions", "PoolState", "ScrapeFn", "rfc3339"]
+           "OperatorOptions", "PoolState", "ScrapeSources", "rfc3339"]
 
 
 class Controller:
     """One replica's operator: the parts above sharing one view of pools, pods and the Lease."""
 
-    def __init__(self, router: Router, *, namespace: str, scrape: ScrapeFn,
-                 session: aiohttp.ClientSession, client: KubeClient | None,
-                 identity: str, options: OperatorOptions,
+    def __init__(self, router: Router, *, namespace: str, scraper: Scraper | None,
+                 client: KubeClient | None, identity: str, options: OperatorOptions,
                  clock: Callable[[], float] = time.time,
                  wall: Callable[[], float] = time.time,
                  kv_events: KVEventSources | None = None) -> None:
@@ -60,10 +59,14 @@ class Controller:
                                   leading=leading, wall=wall,
                                   max_queued=options.max_events_queued,
                                   hold_until_elected=options.elect_leader)
-        self.scraper = PoolScraper(scrape, session, clock)
         self.reconciler = Reconciler(router, namespace=namespace, events=self.events,
-                                     scraper=self.scraper, clock=clock,
-                                     epp_service=options.epp_service)
+                                     clock=clock, epp_service=options.epp_service,
+                                     scrape_soon=scraper.scrape_soon if scraper else None)
+        # The gateway's Scraper asks this how to scrape our pools' workers (scrape_sources.py).
+        self.scrape_sources = ScrapeSources(fallback=scraper.targets if scraper else None)
+        self.scrape_sources.bind(self.reconciler.pools)
+        if scraper is not None:
+            scraper.targets = self.scrape_sources
         # The gateway's KV-event hub asks this where each worker publishes (kv_sources.py).
         self.kv_events = kv_events or KVEventSources()
         self.kv_events.bind(self.reconciler.pools)
@@ -126,8 +129,3 @@ class Controller:
     async def write_status(self, ps: PoolState) -> bool:
         return await self.status.write_status(ps)
 
-    async def scrape_pool_once(self, ps: PoolState) -> None:
-        await self.scraper.scrape_pool_once(ps)
-
-    async def close(self) -> None:
-        await self.scraper.close(self.pools.values())

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
-from cachepilot.gateway.engine_metrics import ENGINES
+from cachepilot.datalayer.engine_metrics import ENGINES
 
 GROUP = "cachepilot.io"
 VERSION = "v1alpha1"

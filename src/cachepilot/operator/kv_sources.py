@@ -1,6 +1,6 @@
 """Where each worker publishes vLLM KV-cache events, as the gateway's KVEventHub asks it.
 
-The gateway follows the router's pools (``cachepilot.gateway.kv_events.follow_pools``) and
+The gateway follows the router's pools (``cachepilot.datalayer.kv_events.follow_pools``) and
 asks one function, ``(pool, worker address) → Endpoints | None``, where each worker
 publishes. In Kubernetes the answer is in the pool's ``spec.kvEvents`` and the worker's pod
 (a port, or an annotation naming it), which only the operator knows: :class:`KVEventSources`
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cachepilot.gateway.kv_events import Endpoints, EndpointsFor
+from cachepilot.datalayer.kv_events import Endpoints, EndpointsFor
 from cachepilot.operator.state import PoolState
 
 

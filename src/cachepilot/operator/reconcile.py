@@ -20,7 +20,6 @@ from cachepilot.core import Pool, Router
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.events import EventPoster
-from cachepilot.operator.scraping import PoolScraper
 from cachepilot.operator.spec import (
     InvalidSpec,
     PodView,
@@ -43,12 +42,12 @@ class Reconciler:
     """
 
     def __init__(self, router: Router, *, namespace: str, events: EventPoster,
-                 scraper: PoolScraper, clock: Callable[[], float],
-                 epp_service: str | None = None) -> None:
+                 clock: Callable[[], float], epp_service: str | None = None,
+                 scrape_soon: Callable[[str, str], None] | None = None) -> None:
         self.router = router
         self.namespace = namespace
         self.events = events
-        self.scraper = scraper
+        self.scrape_soon = scrape_soon  # (pool, address): the gateway's Scraper, if any
         self.clock = clock
         self.epp_service = epp_service
         self.pods: dict[str, PodView] = {}
@@ -129,8 +128,6 @@ class Reconciler:
         else:
             ps.pool.reconfigure(config.spec)
         self._sync_all_pods(ps)
-        if ps.task is None:
-            ps.task = self.scraper.start(ps)
 
     # ---- InferencePools ------------------------------------------------------------------
 
@@ -211,8 +208,6 @@ class Reconciler:
             self._sync_pod(ps, name)
 
     def drop_pool(self, ps: PoolState) -> None:
-        if ps.task is not None:
-            ps.task.cancel()
         if ps.pool is not None and self.router.pools.get(ps.name) is ps.pool:
             self.router.remove_pool(ps.name)
         self.pools.pop(ps.name, None)
@@ -268,6 +263,7 @@ class Reconciler:
                 continue
             ps.pool.remove_worker(have.address)
             ps.kv_events.pop(have.address, None)
+            ps.scrape_urls.pop(have.address, None)
             del ps.members[key]
             if have.ready:
                 why = "deleted" if pod is None else "no longer selected"
@@ -279,6 +275,8 @@ class Reconciler:
                 ps.kv_events[want.address] = want.kv_events
             else:
                 ps.kv_events.pop(want.address, None)
+            # Set for members that stay too: spec.scrape's path or port may have changed.
+            ps.scrape_urls[want.address] = want.scrape_url
             have = ps.members.get(key)
             if have is None:
                 ps.pool.upsert_worker(want.address, ready=want.ready, labels=labels)
@@ -287,6 +285,7 @@ class Reconciler:
                     self._joined(ps, want)
                 continue
             have.kv_events = want.kv_events
+            have.scrape_url = want.scrape_url
             if have.ready != want.ready:
                 ps.pool.set_ready(want.address, want.ready)
                 have.ready = want.ready
@@ -300,7 +299,8 @@ class Reconciler:
     def _joined(self, ps: PoolState, m: Member) -> None:
         self.events.emit(ps, "Normal", "WorkerJoined", f"pod {m.pod} ({m.address}) is ready")
         # Scrape it now: until its first scrape the router treats it as saturated.
-        self.scraper.scrape_soon(ps, m)
+        if self.scrape_soon is not None:
+            self.scrape_soon(ps.name, m.address)
 
 
 def _reference(ps: PoolState) -> str | None:

@@ -13,8 +13,9 @@ the loop), and in the main thread it takes over SIGINT/SIGTERM. In the gateway's
 would cancel in-flight gRPC streams whenever the watcher restarts after an API outage. So
 kopf runs in a thread; its handlers only forward each event to the gateway loop
 (``run_coroutine_threadsafe``) and wait for it, which keeps per-object ordering, and every
-router mutation still happens on the gateway's loop. Scrapes, status, Events and the Lease
-run on the gateway loop too.
+router mutation still happens on the gateway's loop. Status, Events and the Lease run on the
+gateway loop too; the workers' metrics come from the gateway's one scrape loop, which the
+operator feeds each pool's scrape settings (:mod:`cachepilot.operator.scrape_sources`).
 """
 
 from __future__ import annotations
@@ -30,15 +31,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import kopf
 
 from cachepilot.core import Router
-from cachepilot.gateway.scrape import scrape_once
+from cachepilot.datalayer.scrape import Scraper
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.aio import wait_stopped
-from cachepilot.operator.controller import Controller, OperatorOptions, ScrapeFn
+from cachepilot.operator.controller import Controller, OperatorOptions
 from cachepilot.operator.kube import KubeClient
 from cachepilot.operator.kv_sources import KVEventSources
 from cachepilot.operator.lease import LeaderElector
@@ -139,15 +139,18 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
                        ready_flag: asyncio.Event | None = None,
                        identity: str | None = None,
                        login: LoginFn | None = None,
-                       scrape: ScrapeFn | None = None,
+                       scraper: Scraper | None = None,
                        clock: Callable[[], float] = time.time,
                        options: OperatorOptions | None = None,
                        kv_events: KVEventSources | None = None) -> None:
     """Watch CachePilotPools and their pods in ``namespace`` and keep ``router`` in step,
     until ``stop_flag`` is set. Call it as a task on the gateway's event loop.
 
+    ``scraper`` is the gateway's scrape loop: the operator binds its pools' scrape settings
+    to it and has it scrape each worker that joins at once (it does not run it: the gateway
+    does). ``None``: nothing scrapes these pools (tests of the watch alone).
     ``clock`` must be the clock the gateway passes to ``Router.route(now=...)`` (the gateway
-    uses ``time.time``): scrapes are stamped with it and staleness is judged against it.
+    uses ``time.time``): staleness is judged against it.
     ``ready_flag`` is set once kopf has started watching. Raises if the first login fails;
     later API trouble is retried (kopf's watcher is restarted with backoff), never raised
     into the gateway. ``kv_events`` (the gateway's ``GatewayConfig.kv_endpoints``) is bound to
@@ -163,10 +166,9 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     identity = identity or default_identity()
     info = await asyncio.to_thread(login)
     client = KubeClient(info, backoffs=options.api_backoffs)
-    session = aiohttp.ClientSession()
-    controller = Controller(router, namespace=namespace, scrape=scrape or scrape_once,
-                            session=session, client=client, identity=identity,
-                            options=options, clock=clock, kv_events=kv_events)
+    controller = Controller(router, namespace=namespace, scraper=scraper, client=client,
+                            identity=identity, options=options, clock=clock,
+                            kv_events=kv_events)
     loop = asyncio.get_running_loop()
     registry = build_registry(controller, login, loop)
 
@@ -229,6 +231,4 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     except BaseExceptionGroup as group:  # one plain exception for the caller
         raise group.exceptions[0] from None
     finally:
-        await controller.close()
-        await session.close()
         await client.close()

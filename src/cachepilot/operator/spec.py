@@ -16,8 +16,8 @@ from typing import Any
 
 from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
 from cachepilot.core.policies import LIVE_POLICIES
-from cachepilot.gateway.engine_metrics import ENGINES
-from cachepilot.gateway.kv_events import Endpoints
+from cachepilot.datalayer.engine_metrics import ENGINES
+from cachepilot.datalayer.kv_events import Endpoints
 from cachepilot.operator import crd
 
 PortRef = int | str | None

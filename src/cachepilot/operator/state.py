@@ -1,20 +1,19 @@
 """What the operator remembers per CachePilotPool, shared by its parts.
 
-Why plain mutable records: every part (reconciling, scraping, status, Events) runs on the
+Why plain mutable records: every part (reconciling, scrape settings, status, Events) runs on the
 gateway's event loop, so they share these objects without locks, and each part touches
 only its own fields.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachepilot.core import Pool
-from cachepilot.gateway.kv_events import Endpoints
+from cachepilot.datalayer.kv_events import Endpoints
 from cachepilot.operator.spec import InvalidSpec, PoolConfig
 
 # One logger name for all the controller's parts: the gateway's log lines show the name,
@@ -51,9 +50,9 @@ class PoolState:
     pool: Pool | None = None  # the router's pool, once a valid spec was seen
     members: dict[str, Member] = field(default_factory=dict)  # pod name (or pod:port) → member
     kv_events: dict[str, Endpoints] = field(default_factory=dict)  # worker address → publisher
+    scrape_urls: dict[str, str] = field(default_factory=dict)  # worker address → its metrics
     selected: set[str] = field(default_factory=set)  # pods the selector matches
     unresolved: set[str] = field(default_factory=set)  # selected, but no port/IP yet
-    task: asyncio.Task[None] | None = None
     last_status: dict[str, Any] | None = None
     last_patch_at: float = float("-inf")
     transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # type → (st, time)

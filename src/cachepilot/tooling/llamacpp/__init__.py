@@ -24,7 +24,7 @@ Other llama.cpp facts this module encodes (all observed on this machine):
 * ``--no-repack``: the CPU build enables AMX kernels on Sapphire Rapids, and AMX tile
   instructions die with SIGILL inside this VM; repacking off avoids the AMX buffer type.
 * ``llamacpp:prompt_tokens_total`` counts *processed* (uncached) prompt tokens only;
-  ``cachepilot.gateway.engine_metrics`` adds ``prompt_tokens_cached_total`` to get the tokens
+  ``cachepilot.datalayer.engine_metrics`` adds ``prompt_tokens_cached_total`` to get the tokens
   queried.
 * ``/metrics`` is answered by the same loop that runs inference, so a scrape can wait for a
   prompt batch to finish: the llama gateway uses a longer scrape timeout and staleness limit,

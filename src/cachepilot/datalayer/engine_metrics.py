@@ -1,6 +1,6 @@
 """Engine Prometheus text → :class:`WorkerMetrics`, for each engine a worker may run.
 
-Pure parsing (prometheus-client's parser); fetching lives in ``cachepilot.gateway.scrape``.
+Pure parsing (prometheus-client's parser); fetching lives in ``cachepilot.datalayer.scrape``.
 """
 
 from __future__ import annotations

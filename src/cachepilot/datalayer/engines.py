@@ -1,0 +1,118 @@
+"""One adapter per engine: how to read a worker's state over HTTP into :class:`WorkerMetrics`.
+
+Every engine serves Prometheus text (parsed by :mod:`cachepilot.datalayer.engine_metrics`);
+llama.cpp also has ``GET /props`` (``total_slots`` and the context per slot), which its
+metrics lack but slot-eviction pricing needs. Props never change while the server runs, so
+they are read once per worker and again after it failed a scrape or restarted (its
+counters went back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import orjson
+
+from cachepilot.core.workers import WorkerMetrics, WorkerState
+from cachepilot.datalayer.engine_metrics import ENGINES, parse_metrics
+
+log = logging.getLogger("cachepilot.scrape")
+
+Slots = tuple[int | None, int | None]  # (slots, tokens of context per slot)
+# One metrics scrape: (session, URL, engine, timeout in s, clock) → metrics; raises on any
+# failure. Replaceable, so tests can script engines without HTTP.
+ScrapeFn = Callable[[aiohttp.ClientSession, str, str, float, Callable[[], float]],
+                    Awaitable[WorkerMetrics]]
+
+
+async def scrape_once(session: aiohttp.ClientSession, url: str, engine: str, timeout_s: float,
+                      now: Callable[[], float] = time.time) -> WorkerMetrics:
+    """One scrape; raises on HTTP errors, timeouts and unparseable text."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with session.get(url, timeout=timeout) as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    return parse_metrics(text, engine, now())
+
+
+def props_url(metrics_url: str) -> str:
+    """llama-server's /props, beside its /metrics."""
+    base = metrics_url
+    return (base[: -len("/metrics")] if base.endswith("/metrics") else base.rstrip("/")) + "/props"
+
+
+def parse_props(body: bytes) -> Slots:
+    """llama-server's ``/props`` → (total_slots, n_ctx of a slot); None where absent."""
+    props: Any = orjson.loads(body)
+    if not isinstance(props, dict):
+        raise ValueError("/props is not a JSON object")
+    settings = props.get("default_generation_settings") or {}
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    slots, n_ctx = props.get("total_slots"), n_ctx or props.get("n_ctx")
+    return (slots if isinstance(slots, int) and slots > 0 else None,
+            n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None)
+
+
+async def fetch_slots(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Slots:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        resp.raise_for_status()
+        return parse_props(await resp.read())
+
+
+class Engine:
+    """An engine whose metrics say all we read (vLLM, SGLang, the simulated worker)."""
+
+    def __init__(self, name: str, scrape: ScrapeFn = scrape_once) -> None:
+        self.name = name
+        self._scrape = scrape
+
+    async def scrape(self, session: aiohttp.ClientSession, w: WorkerState, url: str,
+                     timeout_s: float, now: Callable[[], float]) -> WorkerMetrics:
+        # aiohttp's own timeout bounds a real scrape; this one bounds any ScrapeFn, so a
+        # hung one cannot stop its worker's loop (asyncio.timeout, not wait_for: see
+        # cachepilot.operator.aio).
+        async with asyncio.timeout(timeout_s + 1.0):
+            return await self._scrape(session, url, self.name, timeout_s, now)
+
+    def forget(self, address: str) -> None:
+        """The worker failed a scrape or left: drop what was read once for it."""
+
+
+class LlamaCpp(Engine):
+    """llama-server: metrics, plus its slots from ``/props``."""
+
+    def __init__(self, scrape: ScrapeFn = scrape_once) -> None:
+        super().__init__("llamacpp", scrape)
+        self._slots: dict[str, Slots] = {}  # by worker address, until a failure
+
+    async def scrape(self, session: aiohttp.ClientSession, w: WorkerState, url: str,
+                     timeout_s: float, now: Callable[[], float]) -> WorkerMetrics:
+        m = await super().scrape(session, w, url, timeout_s, now)
+        old = w.metrics
+        restarted = (old is not None and old.prefix_queries is not None
+                     and m.prefix_queries is not None and m.prefix_queries < old.prefix_queries)
+        if restarted or w.address not in self._slots:
+            try:
+                self._slots[w.address] = await fetch_slots(session, props_url(url), timeout_s)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                # Metrics without slots still route; /props is read again next round.
+                log.warning("reading %s failed: %s", props_url(url), exc)
+                return m
+        slots, slot_tokens = self._slots[w.address]
+        return replace(m, slots=slots, slot_tokens=slot_tokens)
+
+    def forget(self, address: str) -> None:
+        self._slots.pop(address, None)  # read again once it is back (maybe restarted)
+
+
+def adapters(scrape: ScrapeFn = scrape_once) -> dict[str, Engine]:
+    """A fresh adapter for every engine in :data:`ENGINES` (they hold per-worker state)."""
+    out = {name: Engine(name, scrape) for name in ENGINES}
+    out["llamacpp"] = LlamaCpp(scrape)
+    return out
