@@ -58,7 +58,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from rich.console import Console
 from rich.table import Table
 
-from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
+from cachepilot.deploy.envoy import EnvoyOptions
+from cachepilot.deploy.envoy import bootstrap as build_bootstrap
 from cachepilot.gateway.protocol import (
     BODY_METADATA,
     BODY_ONLY,

@@ -38,7 +38,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
+from cachepilot.deploy.envoy import EnvoyOptions
+from cachepilot.deploy.envoy import bootstrap as build_bootstrap
 from cachepilot.tooling.procs import http_get, wait_http_ok
 from cachepilot.tooling.stack import envoy_binary, free_port
 

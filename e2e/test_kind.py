@@ -126,7 +126,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     else:
         kubeconfig.write_text(run("kind", "get", "kubeconfig", "--name", CLUSTER))
     try:
-        run("docker", "build", "-f", str(ROOT / "docker" / "Dockerfile"), "-t", IMAGE,
+        run("docker", "build", "-f", str(ROOT / "extproc" / "Dockerfile"), "-t", IMAGE,
             str(ROOT), timeout=1800)
         run("kind", "load", "docker-image", IMAGE, "--name", CLUSTER, timeout=900)
         k = Kube(kubeconfig)

@@ -1,4 +1,4 @@
-"""The container image the chart and manifests run (docker/Dockerfile), checked without a
+"""The container image the chart and manifests run (extproc/Dockerfile), checked without a
 Docker engine: what it copies exists and is what the package is built from, it runs as the
 numeric non-root user the pods require, and it carries every command they start."""
 
@@ -14,7 +14,7 @@ import yaml
 from conftest import have_command
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCKERFILE = ROOT / "docker" / "Dockerfile"
+DOCKERFILE = ROOT / "extproc" / "Dockerfile"
 
 
 def instructions() -> list[tuple[str, str]]:

@@ -14,7 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cachepilot.operator import crd, generate
+from cachepilot.deploy import generate
+from cachepilot.operator import crd
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "cachepilot"

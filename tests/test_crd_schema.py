@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
-from cachepilot.operator import crd, generate
+from cachepilot.operator import crd
 from cachepilot.operator.spec import (
     InvalidSpec,
     parse_pool,
@@ -50,12 +50,6 @@ def validate_pool(body: dict[str, Any]) -> None:
 
 def sample() -> dict[str, Any]:
     return yaml.safe_load(SAMPLE.read_text())
-
-
-def test_generated_files_are_current() -> None:
-    assert generate.stale_files() == [], "run: python -m cachepilot.operator.generate --write"
-    chart_crd = (ROOT / "charts/cachepilot/files/crd.yaml").read_text()
-    assert (ROOT / "manifests/crd.yaml").read_text() == chart_crd == crd.render_yaml()
 
 
 def test_crd_is_valid_for_kubernetes_and_names_the_resource() -> None:

@@ -2,7 +2,8 @@ import subprocess
 
 import pytest
 
-from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap, render
+from cachepilot.deploy.envoy import EnvoyOptions, render
+from cachepilot.deploy.envoy import bootstrap as build_bootstrap
 from cachepilot.tooling.stack import envoy_binary
 
 from conftest import have_envoy

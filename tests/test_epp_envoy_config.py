@@ -1,6 +1,6 @@
-"""Envoy's bootstrap in front of an endpoint picker (envoy_config.build_epp_bootstrap) and
-``cachepilot envoy-config --epp``: the reference gateway's ext_proc settings, and Envoy
-accepts what we generate."""
+"""Envoy's bootstrap in front of an endpoint picker (``cachepilot.deploy.envoy`` with
+``EppEnvoyOptions``) and ``cachepilot envoy-config --epp``: the reference gateway's ext_proc
+settings, and Envoy accepts what we generate."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from cachepilot.cli import main as cli
-from cachepilot.gateway.envoy_config import EppEnvoyOptions, build_epp_bootstrap, render_epp
+from cachepilot.deploy.envoy import EppEnvoyOptions, bootstrap, render
 
 from conftest import have_envoy
 
@@ -29,7 +29,7 @@ def _ext_proc(cfg: dict) -> dict:
 
 
 def test_ext_proc_as_the_reference_gateway() -> None:
-    cfg = build_epp_bootstrap(EppEnvoyOptions())
+    cfg = bootstrap(EppEnvoyOptions())
     xp = _ext_proc(cfg)
     assert xp["processing_mode"] == {
         "request_header_mode": "SEND", "response_header_mode": "SEND",
@@ -46,7 +46,7 @@ def test_ext_proc_as_the_reference_gateway() -> None:
 
 
 def test_known_workers_read_the_metadata_and_fail_open_needs_somewhere_to_go() -> None:
-    cfg = build_epp_bootstrap(EppEnvoyOptions(workers=("10.0.0.1:8000",), fail_open=True))
+    cfg = bootstrap(EppEnvoyOptions(workers=("10.0.0.1:8000",), fail_open=True))
     assert _ext_proc(cfg)["failure_mode_allow"] is True
     pool = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "inference_pool")
     lb = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
@@ -65,7 +65,7 @@ def test_envoy_accepts_it(opts: EppEnvoyOptions, tmp_path: Path) -> None:
     from cachepilot.tooling.stack import envoy_binary
 
     path = tmp_path / "envoy.yaml"
-    path.write_text(render_epp(opts))
+    path.write_text(render(opts))
     out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -86,9 +86,9 @@ def test_cli_epp_option() -> None:
 def test_our_own_bootstrap_marks_every_stream_as_ours() -> None:
     """--protocol auto tells our streams from EPP streams by an x-cachepilot-* gRPC metadata
     key: the routing filter carries one for every path, not only inference routes."""
-    from cachepilot.gateway.envoy_config import EnvoyOptions, build_bootstrap
+    from cachepilot.deploy.envoy import EnvoyOptions
 
-    cfg = build_bootstrap(EnvoyOptions())
+    cfg = bootstrap(EnvoyOptions())
     xp = next(f for f in _filters(cfg) if f["name"] == "envoy.filters.http.ext_proc")
     keys = [m["key"] for m in xp["typed_config"]["grpc_service"]["initial_metadata"]]
     assert any(k.startswith("x-cachepilot-") for k in keys)

@@ -1,4 +1,4 @@
-"""Fault drills for the KV-event subscriber (gateway/kv_events.py) against a real ZMQ
+"""Fault drills for the KV-event subscriber (datalayer/kv_events.py) against a real ZMQ
 publisher with vLLM's wire format and replay protocol (tooling/kv_event_publisher.py):
 the directory converges to the engine's truth within a stated time after lost events, a
 subscriber restart, a worker restart that cleared its cache, an unfillable hole, a silent

@@ -1,5 +1,5 @@
 """The simulated engine publishes the same KV events as vLLM (tooling/kv_event_publisher.py:
-EngineTap → KVEventPublisher), and the gateway's subscriber (gateway/kv_events.py) turns
+EngineTap → KVEventPublisher), and the gateway's subscriber (datalayer/kv_events.py) turns
 them into a directory that agrees with the engine: the same blocks, and every prediction
 equal to the engine's own cache lookup, through evictions."""
 

@@ -14,15 +14,10 @@ from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
 from cachepilot.core.request import flatten_messages
 from cachepilot.datalayer.engine_metrics import parse_metrics
+from cachepilot.lab.real_model import summarize
+from cachepilot.lab.real_traffic import WORKLOAD, bodies, requests
 from cachepilot.tooling import llamacpp
-from cachepilot.tooling.llamacpp import (
-    WORKLOAD,
-    LlamaStack,
-    LlamaWorkerSpec,
-    bodies,
-    requests,
-    summarize,
-)
+from cachepilot.tooling.llamacpp import LlamaStack, LlamaWorkerSpec
 from cachepilot.tooling.loadgen import Result
 
 DATA = Path(__file__).parent / "data"

@@ -29,10 +29,10 @@ from test_operator_kmock import (
 from test_operator_scrape import HOSTS, workers  # noqa: F401  (the fixture)
 
 from cachepilot.core import Router
-from cachepilot.gateway.envoy_config import render
+from cachepilot.deploy.envoy import render
+from cachepilot.deploy.generate import chart_envoy_options
 from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.operator import run_operator
-from cachepilot.operator.generate import chart_envoy_options
 from cachepilot.tooling.stack import envoy_binary, free_port
 
 from conftest import have_envoy

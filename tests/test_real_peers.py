@@ -12,7 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
-from cachepilot.tooling.llamacpp import study, study_report
+from cachepilot.lab import real_peers as study
+from cachepilot.lab import real_peers_report as study_report
+from cachepilot.lab.output import StudyOutput
 from cachepilot.tooling.llamacpp.routers import ROUTERS, PeerRouterMissing, peers_installed
 
 
@@ -105,7 +107,8 @@ def test_paired_difference_called_only_when_the_interval_excludes_zero() -> None
 
 def test_outputs_are_written_with_the_command(tmp_path: Path) -> None:
     data = _data([0.5, 0.6, 0.7], 0.6)
-    stats = study_report.write_outputs(data, tmp_path, "cachepilot experiment real-peers -x")
+    output = StudyOutput(tmp_path, "cachepilot experiment real-peers -x")
+    stats = study_report.write_outputs(data, output)
     assert set(stats) == {"shared"}  # one workload: nothing to pool
     doc = orjson.loads((tmp_path / "results.json").read_bytes())
     assert doc["command"] == "cachepilot experiment real-peers -x"

@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from cachepilot.sim import replicas_study as rs
+from cachepilot.lab import replicas as rs
+from cachepilot.lab.output import StudyOutput
 
 
 def fake(hit_loss: float, p90_gain: float) -> dict:
@@ -23,7 +24,8 @@ def test_the_bar_is_two_points_of_hit_rate_and_ten_percent_of_p90(tmp_path: Path
     assert rs.meets(rs.analyse(fake(0.01, 0.05))["shared"])
     assert not rs.meets(rs.analyse(fake(0.03, 0.05))["shared"])
     assert not rs.meets(rs.analyse(fake(0.01, 0.2))["shared"])
-    stats = rs.write_outputs(fake(0.01, 0.05), tmp_path)
+    output = StudyOutput(tmp_path, "cachepilot experiment replicas")
+    stats = rs.write_outputs(fake(0.01, 0.05), output)
     report = (tmp_path / "report.md").read_text()
     assert "4 synced replicas meets the bar" in report and "| 8 alone |" in report
     assert (tmp_path / "replicas.png").stat().st_size > 0

@@ -174,12 +174,15 @@ def test_simulate_cli_json():
 
 def test_claims_are_computed_from_the_runs(monkeypatch, tmp_path):
     """A two-seed study on shortened workloads produces every claim from measured values."""
-    from cachepilot.sim import experiments as ex
+    from cachepilot.lab import seed_claims
+    from cachepilot.lab.output import StudyOutput
+    from cachepilot.lab.seed_claims import runs
 
-    short = {k: v.with_(duration=v.duration / 6) for k, v in ex.WORKLOADS.items()}
-    monkeypatch.setattr(ex, "WORKLOADS", short)
-    data = ex.run_all(2, processes=1)
-    claims, _ = ex.write_outputs(data, tmp_path)
+    short = {k: v.with_(duration=v.duration / 6) for k, v in runs.WORKLOADS.items()}
+    monkeypatch.setattr(runs, "WORKLOADS", short)
+    data = seed_claims.run_all(2, processes=1)
+    claims, doc = seed_claims.write_outputs(data, StudyOutput(tmp_path, "cachepilot experiment"))
+    assert doc["setup"]["workloads"]["shared"]["duration"] == short["shared"].duration
     ids = {c.id for c in claims}
     assert {"1a", "1b", "1c", "2a", "2b", "3", "4", "5-bursty", "5-hotspot"} <= ids
     two_a = next(c for c in claims if c.id == "2a")

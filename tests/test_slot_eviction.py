@@ -14,7 +14,7 @@ from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.popularity import BlockPopularity
 from cachepilot.core.workers import WorkerMetrics
 from cachepilot.sim.engine import EngineConfig, EngineRequest
-from cachepilot.sim.experiments import LLAMA_ENGINE, LLAMA_WORKLOADS
+from cachepilot.sim.llamacpp import LLAMA_ENGINE, LLAMA_WORKLOADS
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.simulator import SimConfig, Simulator
 from cachepilot.sim.slot_engine import SlotEngine, make_engine

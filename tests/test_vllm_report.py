@@ -1,4 +1,4 @@
-"""The vLLM study's scoring and report (tooling/vllm/study.py, tooling/vllm/report.py) on
+"""The vLLM study's scoring and report (lab/vllm_study.py, lab/vllm_report.py) on
 hand-made samples: hit prediction counts, the 0.98 bar, the paired TTFT comparison and the
 files written."""
 
@@ -6,8 +6,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from cachepilot.tooling.vllm.report import meets, prediction, write_outputs
-from cachepilot.tooling.vllm.study import Sample, StudyConfig, phase_record
+from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.vllm_report import meets, prediction, write_outputs
+from cachepilot.lab.vllm_study import Sample, StudyConfig, phase_record
 
 
 def _samples(seed: int, policy: str, slow: float) -> list[Sample]:
@@ -41,7 +42,7 @@ def test_scores_bar_and_report(tmp_path: Path) -> None:
     assert not meets({"all": pred["all"] | {"events": pred["all"]["approximate"]}})
     hit, miss = pred["cachepilot"]["ttft_predicted_hit"], pred["cachepilot"]["ttft_predicted_miss"]
     assert hit["n"] == 9 and miss["n"] == 6 and hit["p50_s"] < miss["p50_s"]
-    write_outputs(data, tmp_path, "cmd")
+    write_outputs(data, StudyOutput(tmp_path, "cmd"))
     doc = json.loads((tmp_path / "results.json").read_text())
     vs = doc["stats"]["vllm"]["vs"]["round_robin"]["ttft_p50_s"]
     assert vs["mean"] < 0 and vs["significant"]  # CachePilot faster on every seed

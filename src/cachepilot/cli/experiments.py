@@ -1,4 +1,6 @@
-"""``cachepilot experiment``: seed-claims (the simulator studies) and real-model (llama.cpp)."""
+"""``cachepilot experiment``: the studies (:mod:`cachepilot.lab`), each imported only when
+its command runs; simulator studies (seed-claims, peers, replicas) and real-worker studies
+(real-model on llama.cpp or vLLM, real-peers)."""
 
 from __future__ import annotations
 
@@ -6,32 +8,45 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import orjson
 
 from cachepilot.cli.options import stack_failed
-from cachepilot.tooling.llamacpp import (
-    PHASES,
-    WORKLOAD,
-    LlamaWorkerSpec,
-    installed,
-    run_experiment,
-    threads_per_worker,
+from cachepilot.cli.study_options import (
+    StudyOption,
+    command_line,
+    names,
+    require_extra,
 )
-from cachepilot.tooling.llamacpp.routers import ROUTERS
-from cachepilot.tooling.llamacpp.study import DEFAULT_ROUTERS, Progress, StudyConfig
-from cachepilot.tooling.llamacpp.study import WORKLOADS as STUDY_WORKLOADS
-from cachepilot.tooling.llamacpp.workload import REQUESTS, SEED
-from cachepilot.tooling.vllm.study import StudyConfig as VllmStudyConfig
 
-_VLLM_REQUESTS = VllmStudyConfig.requests
+if TYPE_CHECKING:
+    from cachepilot.lab.output import StudyOutput
+    from cachepilot.lab.real_peers import Progress
+
+_REAL_PEERS = "cachepilot.lab.real_peers"
+_TRAFFIC = "cachepilot.lab.real_traffic"
+_LLAMA_SPEC = "cachepilot.tooling.llamacpp.worker:LlamaWorkerSpec"
+_ROUTERS = "cachepilot.tooling.llamacpp.routers:ROUTERS"
+
+
+def _joined(values: tuple[str, ...] | dict[str, Any]) -> str:
+    """A study's names (a tuple, or a dict's keys) as the option's comma-separated value."""
+    return ",".join(values)
+
+
+def _output(ctx: click.Context, out_dir: str, **resolved: Any) -> StudyOutput:
+    """The study's output folder, with the command line that reproduces this run."""
+    from cachepilot.lab.output import StudyOutput
+
+    return StudyOutput(Path(out_dir), command_line(ctx, **resolved))
 
 
 @click.group("experiment")
 def experiment_group() -> None:
-    """Studies: seed-claims on the simulator, real-model on llama.cpp workers."""
+    """Studies: the simulator's (seed-claims, peers, replicas) and real workers'
+    (real-model, real-peers)."""
 
 
 @experiment_group.command("seed-claims")
@@ -40,19 +55,21 @@ def experiment_group() -> None:
               type=click.Path(file_okay=False))
 @click.option("--processes", default=None, type=click.IntRange(1),
               help="Worker processes (default: ≤2).")
-def seed_claims_cmd(seeds: int, out_dir: str, processes: int | None) -> None:
+@click.pass_context
+def seed_claims_cmd(ctx: click.Context, seeds: int, out_dir: str,
+                    processes: int | None) -> None:
     """Re-measure the original study's claims across seeds; write report.md, results.json
     and plots to OUT."""
     from rich.console import Console
 
-    from cachepilot.sim import experiments
+    from cachepilot.lab import seed_claims
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
     with _progress() as tick:
-        data = experiments.run_all(seeds, processes, tick)
+        data = seed_claims.run_all(seeds, processes, tick)
     out = Path(out_dir)
-    claims, doc = experiments.write_outputs(data, out)
+    claims, doc = seed_claims.write_outputs(data, _output(ctx, out_dir))
     sp = doc["speed"]
     console.print(f"{sp['runs']} runs, {sp['simulated_requests']:,} simulated requests in "
                   f"{sp['wall_s']:.1f} s: {sp['sim_requests_per_wall_s']:,.0f} simulated "
@@ -66,10 +83,10 @@ def seed_claims_cmd(seeds: int, out_dir: str, processes: int | None) -> None:
 def _mooncake_trace(trace_path: str | None) -> Path | None:
     """--trace, or the shared Mooncake trace beside the checkout when present (None: the
     Mooncake workload is left out, as printed); a file in another format is a usage error."""
-    from cachepilot.sim import peers_study
+    from cachepilot.lab.peers import MOONCAKE
     from cachepilot.sim.traces import TraceFormatError, detect_format
 
-    trace = Path(trace_path) if trace_path else peers_study.MOONCAKE
+    trace = Path(trace_path) if trace_path else MOONCAKE
     if not trace_path and not trace.exists():
         click.echo(f"no trace at {trace}: the Mooncake workload is left out (--trace FILE)",
                    err=True)
@@ -90,16 +107,17 @@ def _mooncake_trace(trace_path: str | None) -> Path | None:
               help="A Mooncake-format trace to include (default: the shared one, if present).")
 @click.option("--processes", default=None, type=click.IntRange(1),
               help="Worker processes (default: ≤2).")
-def replicas_cmd(seeds: int, out_dir: str, trace_path: str | None,
+@click.pass_context
+def replicas_cmd(ctx: click.Context, seeds: int, out_dir: str, trace_path: str | None,
                  processes: int | None) -> None:
     """1, 2, 4 and 8 gateway replicas, alone or sharing their state, against one replica,
     paired by seed; write report.md, results.json and a plot to OUT."""
-    from cachepilot.sim import replicas_study
+    from cachepilot.lab import replicas as replicas_study
 
     trace = _mooncake_trace(trace_path)
     with _progress() as tick:
         data = replicas_study.run_all(seeds, trace, processes, tick)
-    stats = replicas_study.write_outputs(data, Path(out_dir))
+    stats = replicas_study.write_outputs(data, _output(ctx, out_dir, trace_path=trace))
     for name, st in stats.items():
         for case in ("4 alone", "4 synced"):
             d = st[case]["vs_one"]
@@ -119,16 +137,17 @@ def replicas_cmd(seeds: int, out_dir: str, trace_path: str | None,
                    "mooncake_synthetic_trace.jsonl beside the checkout, when present).")
 @click.option("--processes", default=None, type=click.IntRange(1),
               help="Worker processes (default: ≤2).")
-def peers_cmd(seeds: int, out_dir: str, trace_path: str | None,
+@click.pass_context
+def peers_cmd(ctx: click.Context, seeds: int, out_dir: str, trace_path: str | None,
               processes: int | None) -> None:
     """The default policy against the peer routers' models, paired by seed; write
     report.md, results.json and plots to OUT."""
-    from cachepilot.sim import peers_study
+    from cachepilot.lab import peers as peers_study
 
     trace = _mooncake_trace(trace_path)
     with _progress() as tick:
         data = peers_study.run_all(seeds, trace, processes, tick)
-    stats = peers_study.write_outputs(data, Path(out_dir))
+    stats = peers_study.write_outputs(data, _output(ctx, out_dir, trace_path=trace))
     for name, st in stats.items():
         for peer, d in st["vs"].items():
             click.echo(f"{name:9s} vs {peer:18s} " + "  ".join(
@@ -154,29 +173,18 @@ def _progress() -> Iterator[Callable[[int, int, str], None]]:
         yield tick
 
 
-def _names(choices: list[str]) -> Callable[[click.Context, click.Parameter, str], list[str]]:
-    """A comma-separated list of names, each one of ``choices``."""
-
-    def parse(_ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
-        names = [v.strip() for v in value.split(",") if v.strip()]
-        bad = [n for n in names if n not in choices]
-        if bad or not names:
-            raise click.BadParameter(f"{', '.join(bad) or 'none given'}: choose from "
-                                     f"{', '.join(choices)}", param=param)
-        return names
-
-    return parse
-
-
 @experiment_group.command("real-peers")
-@click.option("--workloads", default=",".join(STUDY_WORKLOADS), show_default=True,
-              callback=_names(list(STUDY_WORKLOADS)), help="Comma-separated.")
-@click.option("--routers", default=",".join(DEFAULT_ROUTERS), show_default=True,
-              callback=_names(list(ROUTERS)), help=f"Comma-separated, of: {', '.join(ROUTERS)}.")
+@click.option("--workloads", cls=StudyOption, study_default=f"{_REAL_PEERS}:WORKLOADS",
+              convert=_joined, callback=names(f"{_REAL_PEERS}:WORKLOADS"),
+              help="Comma-separated.")
+@click.option("--routers", cls=StudyOption, study_default=f"{_REAL_PEERS}:DEFAULT_ROUTERS",
+              convert=_joined, callback=names(_ROUTERS), help_refs={"routers": _ROUTERS},
+              help="Comma-separated, of: {routers}.")
 @click.option("--seeds", type=click.IntRange(1), default=3, show_default=True,
               help="Seeds 11, 12, …: each draws every workload once.")
-@click.option("--requests", type=click.IntRange(1), default=StudyConfig.requests,
-              show_default=True, help="Per phase (one router, one workload, one seed).")
+@click.option("--requests", type=click.IntRange(1), cls=StudyOption,
+              study_default=f"{_REAL_PEERS}:StudyConfig.requests",
+              help="Per phase (one router, one workload, one seed).")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Arrivals per second (default: each workload's own).")
 @click.option("--out", "out_dir", default="results/real-peers", show_default=True,
@@ -184,32 +192,31 @@ def _names(choices: list[str]) -> Callable[[click.Context, click.Parameter, str]
               help="report.md, results.json, samples.json, real_peers.png.")
 @click.option("--logs", "log_dir", default=None, type=click.Path(file_okay=False),
               help="Every process's log and the gateway's decision logs (default: OUT/logs).")
-def real_peers_cmd(workloads: list[str], routers: list[str], seeds: int, requests: int,
-                   rate: float | None, out_dir: str, log_dir: str | None) -> None:
+@click.pass_context
+def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str], seeds: int,
+                   requests: int, rate: float | None, out_dir: str, log_dir: str | None
+                   ) -> None:
     """CachePilot against sglang-router and vllm-router (PyPI) on the same llama.cpp workers
     and requests, paired by (workload, seed); fresh workers for every router's phase."""
-    import shlex
-
+    from cachepilot.tooling.llamacpp import installed
     from cachepilot.tooling.llamacpp.routers import peers_installed
-    from cachepilot.tooling.llamacpp.study import run_study
-    from cachepilot.tooling.llamacpp.study_report import write_outputs
 
     why = installed() or peers_installed(routers)
     if why:
         raise click.ClickException(why)
+    from cachepilot.lab.real_peers import StudyConfig, run_study
+    from cachepilot.lab.real_peers_report import write_outputs
+
     cfg = StudyConfig(workloads=tuple(workloads), seeds=tuple(range(11, 11 + seeds)),
                       routers=tuple(routers), requests=requests, rate=rate)
     out = Path(out_dir)
-    command = shlex.join(["cachepilot", "experiment", "real-peers", "--workloads",
-                          ",".join(workloads), "--routers", ",".join(routers), "--seeds",
-                          str(seeds), "--requests", str(requests),
-                          *(["--rate", f"{rate:g}"] if rate else []), "--out", out_dir])
+    output = _output(ctx, out_dir, log_dir=None)
     try:
         with _study_progress() as progress:
             data = run_study(cfg, str(Path(log_dir) if log_dir else out / "logs"), progress)
     except (RuntimeError, TimeoutError, OSError) as exc:
         raise stack_failed(exc, None) from None
-    stats = write_outputs(data, out, command)
+    stats = write_outputs(data, output)
     for name, st in stats.items():
         for k, b in st["bar"].items():
             click.echo(f"{name:14s} {k:15s} CachePilot {b['ours']:.3f} vs {b['best_peer']} "
@@ -224,6 +231,8 @@ def _study_progress() -> Iterator[Progress]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
     from rich.progress import Progress as Bars
+
+    from cachepilot.lab.real_peers import Progress
 
     with Bars("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
               TimeElapsedColumn(), console=Console(stderr=True)) as bars:
@@ -251,14 +260,17 @@ def _study_progress() -> Iterator[Progress]:
                    "exact directory (make vllm-venv vllm-model; docs/vllm.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="results.json, samples.json, the plots  [default: results/real-model; "
-                   "vllm: docs/results/vllm]")
-@click.option("--requests", type=click.IntRange(1), default=None,
-              help=f"[default: {REQUESTS}; vllm: {_VLLM_REQUESTS} per phase]")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=WORKLOAD.rate,
-              show_default=True, help="(llamacpp)")
+              help="report.md, results.json, samples.json, the plots  [default: "
+                   "results/real-model; vllm: docs/results/vllm]")
+@click.option("--requests", type=click.IntRange(1), default=None, cls=StudyOption,
+              help_refs={"llama": f"{_TRAFFIC}:REQUESTS",
+                         "vllm": "cachepilot.lab.vllm_study:StudyConfig.requests"},
+              help="[default: {llama}; vllm: {vllm} per phase]")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), cls=StudyOption,
+              study_default=f"{_TRAFFIC}:WORKLOAD.rate", help="(llamacpp)")
 @click.option("--workers", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--seed", type=int, default=SEED, show_default=True, help="(llamacpp)")
+@click.option("--seed", type=int, cls=StudyOption, study_default=f"{_TRAFFIC}:SEED",
+              help="(llamacpp)")
 @click.option("--seeds", default="1,2,3", show_default=True,
               help="(vllm) Comma-separated: each seed runs round robin and CachePilot on the "
                    "same requests.")
@@ -268,33 +280,43 @@ def _study_progress() -> Iterator[Progress]:
                    "backs (another gateway, a client bypassing it); the rest are scored.")
 @click.option("--logs", "log_dir", default="runs/vllm-study", show_default=True,
               type=click.Path(file_okay=False), help="(vllm) Worker logs and the raw JSON.")
-@click.option("--groups", type=click.IntRange(1), default=WORKLOAD.groups,
-              show_default=True, help="Shared documents (llamacpp).")
-@click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0),
-              default=LlamaWorkerSpec.cache_ram_mib, show_default=True,
+@click.option("--groups", type=click.IntRange(1), cls=StudyOption,
+              study_default=f"{_TRAFFIC}:WORKLOAD.groups", help="Shared documents (llamacpp).")
+@click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0), cls=StudyOption,
+              study_default=f"{_LLAMA_SPEC}.cache_ram_mib",
               help="Each worker's prompt cache in MiB (0: only the slot; llamacpp).")
-@click.option("--slots", type=click.IntRange(1), default=LlamaWorkerSpec.parallel,
-              show_default=True, help="llama-server -np per worker (llamacpp).")
-def real_model_cmd(engine: str, as_json: bool, out_dir: str | None, requests: int | None,
-                   rate: float, workers: int, seed: int, seeds: str, outside: float,
-                   log_dir: str, groups: int, cache_ram_mib: int, slots: int) -> None:
+@click.option("--slots", type=click.IntRange(1), cls=StudyOption,
+              study_default=f"{_LLAMA_SPEC}.parallel",
+              help="llama-server -np per worker (llamacpp).")
+@click.pass_context
+def real_model_cmd(ctx: click.Context, engine: str, as_json: bool, out_dir: str | None,
+                   requests: int | None, rate: float, workers: int, seed: int, seeds: str,
+                   outside: float, log_dir: str, groups: int, cache_ram_mib: int,
+                   slots: int) -> None:
     """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp, or
     on vLLM (round robin vs CachePilot, hit prediction with KV events vs routing-learned)."""
     if engine == "vllm":
-        _real_model_vllm(seeds, requests or _VLLM_REQUESTS, workers, outside,
+        _real_model_vllm(ctx, seeds, requests, workers, outside,
                          out_dir or "docs/results/vllm", log_dir, as_json)
         return
+    from cachepilot.tooling.llamacpp import LlamaWorkerSpec, installed, threads_per_worker
+
     why = installed()
     if why:
         raise click.ClickException(why)
+    from cachepilot.lab.real_model import run_experiment
+    from cachepilot.lab.real_traffic import REQUESTS, WORKLOAD
+
     out_dir = out_dir or "results/real-model"
     requests = requests or REQUESTS
     workload = WORKLOAD.with_(rate=rate, groups=groups)
     spec = LlamaWorkerSpec(threads=threads_per_worker(workers), parallel=slots,
                            cache_ram_mib=cache_ram_mib)
     echo = None if as_json else (lambda m: click.echo(m, err=True))
+    output = _output(ctx, out_dir, out_dir=out_dir, requests=requests, seeds=None,
+                     outside=None, log_dir=None)
     try:
-        result = run_experiment(Path(out_dir), workload, requests, seed, workers=workers,
+        result = run_experiment(output, workload, requests, seed, workers=workers,
                                 echo=echo, spec=spec)
     except (RuntimeError, TimeoutError, OSError) as exc:
         raise stack_failed(exc, None) from None
@@ -304,15 +326,13 @@ def real_model_cmd(engine: str, as_json: bool, out_dir: str | None, requests: in
     _table(result)
 
 
-def _real_model_vllm(seeds: str, requests: int, workers: int, outside: float, out_dir: str,
-                     log_dir: str, as_json: bool) -> None:
-    """The vLLM study (tooling/vllm/study.py) and its report (tooling/vllm/report.py)."""
+def _real_model_vllm(ctx: click.Context, seeds: str, requests: int | None, workers: int,
+                     outside: float, out_dir: str, log_dir: str, as_json: bool) -> None:
+    """The vLLM study (lab/vllm_study.py) and its report (lab/vllm_report.py)."""
     import asyncio
-    import shlex
 
-    from cachepilot.tooling.vllm.report import meets, write_outputs
+    require_extra("vllm", "httpx", "tokenizers")
     from cachepilot.tooling.vllm.stack import default_venv, missing
-    from cachepilot.tooling.vllm.study import run as run_vllm_study
 
     why = missing()
     if why:
@@ -322,17 +342,20 @@ def _real_model_vllm(seeds: str, requests: int, workers: int, outside: float, ou
     except ValueError:
         raise click.BadParameter(f"{seeds!r}: comma-separated integers",
                                  param_hint="--seeds") from None
-    cfg = VllmStudyConfig(seeds=seed_list, requests=requests, workers=workers, outside=outside)
-    command = shlex.join(["cachepilot", "experiment", "real-model", "--engine", "vllm",
-                          "--seeds", seeds, "--requests", str(requests),
-                          *(["--outside", f"{outside:g}"] if outside else []), "--out", out_dir])
+    from cachepilot.lab.vllm_report import meets, write_outputs
+    from cachepilot.lab.vllm_study import StudyConfig, run
+
+    requests = requests or StudyConfig.requests
+    cfg = StudyConfig(seeds=seed_list, requests=requests, workers=workers, outside=outside)
+    llama_only = dict.fromkeys(("rate", "seed", "groups", "cache_ram_mib", "slots"))
+    output = _output(ctx, out_dir, out_dir=out_dir, requests=requests, **llama_only)
     echo = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
     try:
-        data = asyncio.run(run_vllm_study(cfg, default_venv(), Path(log_dir), echo))
+        data = asyncio.run(run(cfg, default_venv(), Path(log_dir), echo))
     except (RuntimeError, TimeoutError, OSError) as exc:
         raise stack_failed(exc, log_dir) from None
     (Path(log_dir) / "vllm-study.json").write_bytes(orjson.dumps(data))  # before the report
-    pred = write_outputs(data, Path(out_dir), command)
+    pred = write_outputs(data, output)
     if as_json:
         click.echo(orjson.dumps({"summary": data["summary"], "prediction": pred}).decode())
         return
@@ -346,26 +369,11 @@ def _real_model_vllm(seeds: str, requests: int, workers: int, outside: float, ou
                f"wrote {Path(out_dir) / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
 
 
-def _ms(x: float | None) -> str:
-    return "–" if x is None or x != x else f"{x * 1000:.0f}"
-
-
 def _table(result: dict[str, Any]) -> None:
-    """The figures per policy; TTFTs in ms (the result's keys are in seconds)."""
-    names = [n for n, _ in PHASES]
-    click.echo(f"{'':36}" + "".join(f"{n:>26}" for n in names))
-    click.echo(f"{'TTFT mean, all (ms)':36}" + "".join(
-        f"{_ms(result[n]['ttft_mean_s']):>26}" for n in names))
-    click.echo(f"{'TTFT p50 / p90, all (ms)':36}" + "".join(
-        f"{_ms(result[n]['ttft_p50_s'])} / {_ms(result[n]['ttft_p90_s'])} "
-        f"(n={result[n]['requests'] - result[n]['errors']})".rjust(26) for n in names))
-    rows = [("TTFT p50 / p90, predicted hits", "ttft_predicted_hit"),
-            ("TTFT p50 / p90, predicted misses", "ttft_predicted_miss")]
-    for label, key in rows:
-        cells = [f"{_ms(result[n][key]['ttft_p50_s'])} / {_ms(result[n][key]['ttft_p90_s'])} "
-                 f"(n={result[n][key]['n']})" for n in names]
+    """The figures per policy (TTFTs in ms), as the report's table."""
+    from cachepilot.lab.real_model import PHASES, rows
+
+    click.echo(f"{'':36}" + "".join(f"{n:>26}" for n, _ in PHASES))
+    for label, cells in rows(result):
         click.echo(f"{label:36}" + "".join(f"{c:>26}" for c in cells))
-    for label, key in (("hit precision", "precision"), ("hit recall", "recall"),
-                       ("cached share of prompt tokens", "token_hit_rate")):
-        click.echo(f"{label:36}" + "".join(f"{result[n][key]!s:>26}" for n in names))
     click.echo(f"plot: {result['plot']}")

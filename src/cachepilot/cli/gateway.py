@@ -232,7 +232,7 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                      max_body_bytes: int, fmt: str, epp: bool, workers: str,
                      subset_from_header: bool) -> None:
     """Print Envoy's bootstrap for CachePilot."""
-    from cachepilot.gateway.envoy_config import EnvoyOptions, EppEnvoyOptions, render, render_epp
+    from cachepilot.deploy.envoy import EnvoyOptions, EppEnvoyOptions, render
 
     host, port = host_port(ext_proc, "--ext-proc")
     for addr in (x for x in fallback.split(",") if x):
@@ -251,7 +251,7 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                                     subset_from_header=subset_from_header)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
-        sys.stdout.write(render_epp(eopts, fmt))
+        sys.stdout.write(render(eopts, fmt))
         return
     try:
         opts = EnvoyOptions(listen_address=listen_address, listen_port=listen_port,

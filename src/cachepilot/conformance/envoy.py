@@ -1,5 +1,5 @@
 """The suite's Envoy: the reference gateway's configuration for an EPP
-(:func:`cachepilot.gateway.envoy_config.build_epp_bootstrap`), plus virtual hosts that let
+(:func:`cachepilot.deploy.envoy.bootstrap` with ``EppEnvoyOptions``), plus virtual hosts that let
 single rules be checked apart:
 
 * ``*`` (default): the reference — ORIGINAL_DST on ``x-gateway-destination-endpoint``;
@@ -28,11 +28,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from cachepilot.gateway.envoy_config import (
-    EppEnvoyOptions,
-    build_epp_bootstrap,
-    epp_workers_cluster,
-)
+from cachepilot.deploy.envoy import EppEnvoyOptions, bootstrap, override_host_cluster
 from cachepilot.gateway.protocol import SERVED_KEY
 from cachepilot.tooling.stack import envoy_binary, free_port
 
@@ -46,7 +42,7 @@ def suite_bootstrap(epp: tuple[str, int], workers: list[str], listen_port: int,
                         admin_port=admin_port, epp_host=epp[0], epp_port=epp[1],
                         subset_from_header=True, generate_request_id=False,
                         message_timeout_s=30.0, route_timeout_s=60.0)
-    cfg = build_epp_bootstrap(o)
+    cfg = bootstrap(o)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     served = [{"header": {"key": SERVED_KEY, "value": "%UPSTREAM_HOST%"},
                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
@@ -63,7 +59,7 @@ def suite_bootstrap(epp: tuple[str, int], workers: list[str], listen_port: int,
               "lb_endpoints": [{"endpoint": {"address": {"socket_address": {
                   "address": w.rpartition(":")[0], "port_value": int(w.rpartition(":")[2])}}}}
                   for w in workers]}]}}
-    by_metadata = epp_workers_cluster("pool_by_metadata", tuple(workers), sources=("metadata",))
+    by_metadata = override_host_cluster("pool_by_metadata", tuple(workers), sources=("metadata",))
     cfg["static_resources"]["clusters"] += [rr, by_metadata]
     return cfg
 
@@ -71,7 +67,7 @@ def suite_bootstrap(epp: tuple[str, int], workers: list[str], listen_port: int,
 def down_bootstrap(workers: list[str], fail_open: bool, listen_port: int, admin_port: int,
                    dead_port: int) -> dict[str, Any]:
     """The generator's bootstrap with the EPP unreachable."""
-    return build_epp_bootstrap(EppEnvoyOptions(
+    return bootstrap(EppEnvoyOptions(
         listen_address="127.0.0.1", listen_port=listen_port, admin_port=admin_port,
         epp_host="127.0.0.1", epp_port=dead_port, fail_open=fail_open, workers=tuple(workers),
         health_check_interval_s=0, route_timeout_s=60.0))

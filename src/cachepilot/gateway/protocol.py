@@ -1,5 +1,5 @@
 """Names and message builders shared by both ext_proc protocols the gateway speaks: its own
-(Envoy configured by :mod:`cachepilot.gateway.envoy_config`) and the Gateway API Inference
+(Envoy configured by :mod:`cachepilot.deploy.envoy`) and the Gateway API Inference
 Extension's endpoint picker protocol (:mod:`cachepilot.gateway.epp`; docs/epp.md)."""
 
 from __future__ import annotations

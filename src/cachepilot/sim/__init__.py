@@ -1,5 +1,6 @@
 """Discrete-event simulator: the gateway's Router in front of modelled engines, on a virtual
-clock, plus peer policy models and the studies behind ``cachepilot experiment``."""
+clock, plus peer policy models, workloads and traces. The studies that run it (``cachepilot
+experiment``) are in :mod:`cachepilot.lab`."""
 
 from cachepilot.sim.simulator import (
     RequestResult,

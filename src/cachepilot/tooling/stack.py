@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachepilot.gateway.envoy_config import EnvoyOptions, render
+from cachepilot.deploy.envoy import EnvoyOptions, render
 from cachepilot.tooling.procs import LoopbackAddresses, Processes
 
 _handed_out: set[int] = set()

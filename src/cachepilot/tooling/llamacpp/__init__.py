@@ -32,12 +32,12 @@ Other llama.cpp facts this module encodes (all observed on this machine):
 
 Modules: :mod:`.worker` (installation, how a worker runs, what it caches),
 :mod:`.calibration` (measured speed → the gateway's cost model), :mod:`.stack` (Envoy +
-gateway + workers), :mod:`.workload` (the traffic), :mod:`.experiment` (the real-model study)
-and :mod:`.plots`. The commands are in :mod:`cachepilot.cli`.
+gateway + workers) and :mod:`.routers` (the routers a study puts in front of them: the
+gateway, or a peer router from PyPI). The studies that drive them (real-model, real-peers)
+are in :mod:`cachepilot.lab`; the commands in :mod:`cachepilot.cli`.
 """
 
 from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost_args
-from cachepilot.tooling.llamacpp.experiment import PHASES, drive, run_experiment, summarize
 from cachepilot.tooling.llamacpp.stack import LlamaStack
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
@@ -49,26 +49,18 @@ from cachepilot.tooling.llamacpp.worker import (
     server_binary,
     threads_per_worker,
 )
-from cachepilot.tooling.llamacpp.workload import WORKLOAD, bodies, requests
 
 __all__ = [
     "CPU_BUDGET",
     "MODEL_NAME",
-    "PHASES",
-    "WORKLOAD",
     "Calibration",
     "LlamaCppMissing",
     "LlamaStack",
     "LlamaWorkerSpec",
-    "bodies",
     "calibrate",
     "cost_args",
-    "drive",
     "installed",
     "model_path",
-    "requests",
-    "run_experiment",
     "server_binary",
-    "summarize",
     "threads_per_worker",
 ]

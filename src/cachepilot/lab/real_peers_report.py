@@ -3,19 +3,21 @@ intervals, CachePilot's paired differences from every other router (same (worklo
 cell = same requests), whether the issue's bar holds, a markdown report, a plot and JSON.
 
 A difference is called only when its paired 95 % interval excludes zero
-(:func:`cachepilot.sim.stats.paired`); otherwise it is "n.s.".
+(:func:`cachepilot.lab.stats.paired`); otherwise it is "n.s.".
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 
-from cachepilot.sim.stats import ci95, paired
+from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.stats import ci95, paired
 from cachepilot.tooling.llamacpp.routers import ROUTERS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 OURS = "cachepilot"
 TTFT = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
@@ -89,12 +91,11 @@ def _ms(x: float) -> str:
     return "–" if x != x else f"{x * 1000:.0f}"
 
 
-def report(data: dict[str, Any], stats: dict[str, Any], command: str, plot_name: str) -> str:
+def report(data: dict[str, Any], stats: dict[str, Any], plot_name: str) -> str:
     cfg = data["config"]
     phases = data["phases"]
     loads = [x for p in phases for x in p["loadavg_1m"]]
     L = ["# CachePilot against sglang-router and vllm-router on real llama.cpp workers", "",
-         f"`{command}`", "",
          f"{len(phases)} phases ({len(cfg['workloads'])} workloads × {len(cfg['seeds'])} seeds"
          f" × {len(cfg['routers'])} routers), {cfg['requests']} requests each, "
          f"{data['wall_s'] / 60:.1f} min wall. {cfg['workers']} llama-server workers "
@@ -143,10 +144,10 @@ def report(data: dict[str, Any], stats: dict[str, Any], command: str, plot_name:
     return "\n".join(L)
 
 
-def plot(data: dict[str, Any], stats: dict[str, Any], path: Path) -> None:
+def plot(data: dict[str, Any], stats: dict[str, Any]) -> Figure:
     """A row per workload: TTFT by router (bars: means; dots: seeds), CachePilot's paired
     TTFT differences (% of the other router, 95 % CI), hit rate by router."""
-    from cachepilot.sim.plots import paired_differences, plt  # matplotlib, Agg backend
+    from cachepilot.lab.plots import paired_differences, plt  # matplotlib, Agg backend
 
     names = [n for n in stats if n != ALL]
     fig, axes = plt.subplots(len(names), 3, figsize=(15, 4.2 * len(names)), squeeze=False)
@@ -180,20 +181,15 @@ def plot(data: dict[str, Any], stats: dict[str, Any], path: Path) -> None:
         for ax in row:
             ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def write_outputs(data: dict[str, Any], out: Path, command: str) -> dict[str, Any]:
+def write_outputs(data: dict[str, Any], output: StudyOutput) -> dict[str, Any]:
     """results.json (config, phases, statistics), samples.json (every request),
-    report.md and real_peers.png in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+    report.md and real_peers.png."""
     stats = analyse(data)
-    plot(data, stats, out / "real_peers.png")
-    (out / "report.md").write_text(report(data, stats, command, "real_peers.png"))
-    doc = {k: v for k, v in data.items() if k != "samples"} | {"command": command,
-                                                               "stats": stats}
-    opts = orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
-    (out / "results.json").write_bytes(orjson.dumps(doc, option=opts))
-    (out / "samples.json").write_bytes(orjson.dumps(data["samples"]))
+    name = output.figure(plot(data, stats), "real_peers.png", dpi=100)
+    output.data("samples.json", data["samples"])
+    output.write(report(data, stats, name),
+                 {k: v for k, v in data.items() if k != "samples"} | {"stats": stats})
     return stats

@@ -1,9 +1,14 @@
-"""report.md for the seed-claims studies."""
+"""The seed-claims study's report.md, its tables and the writing of its folder."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.seed_claims import plots, runs
+from cachepilot.lab.seed_claims.claims import Claim, build_claims, column, rows_for
+from cachepilot.lab.stats import ci95
 
 
 def _fmt(x: float, unit: str) -> str:
@@ -32,7 +37,7 @@ def _ms(stats: dict[str, float]) -> dict[str, float]:
     return {k: (v * 1000 if k in ("mean", "lo", "hi", "sd") else v) for k, v in stats.items()}
 
 
-def _diff(c) -> str:
+def _diff(c: Claim) -> str:
     m, o = c.stats.get("mean"), c.original
     if m is None or not math.isfinite(m) or not math.isfinite(o):
         return ""
@@ -43,8 +48,8 @@ def _diff(c) -> str:
     return ""
 
 
-def render(claims, extra: dict[str, Any], tables: dict[str, Any], speed: dict[str, Any],
-           figs: dict[str, str]) -> str:
+def render(claims: list[Claim], extra: dict[str, Any], tables: dict[str, Any],
+           speed: dict[str, Any], figs: dict[str, str]) -> str:
     L = ["# CachePilot seed claims, re-measured", ""]
     L.append(f"{speed['seeds']} seeds, {speed['runs']} simulated runs, "
              f"{speed['simulated_requests']:,} simulated requests in {speed['wall_s']:.0f} s "
@@ -122,3 +127,50 @@ def render(claims, extra: dict[str, Any], tables: dict[str, Any], speed: dict[st
         L.append(f"![{name}]({f})")
     L.append("")
     return "\n".join(L)
+
+
+def policy_table(results: list[dict], workload: str) -> dict[str, dict[str, Any]]:
+    rows = rows_for(results, workload)
+    out = {}
+    for p in runs.ALL_POLICIES:
+        if not rows or p not in rows[0]["runs"]:
+            continue
+        out[p] = {k: ci95(column(rows, p, k)) for k in
+                  ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_rps",
+                   "throughput_out_tps", "token_hit_rate", "evictions", "imbalance_assigned",
+                   "imbalance_busy", "p50_over_ideal")}
+        out[p]["ideal_p50_s"] = ci95([r["ideal_p50_s"] for r in rows])
+    return out
+
+
+def write_outputs(data: dict[str, Any], output: StudyOutput
+                  ) -> tuple[list[Claim], dict[str, Any]]:
+    """The claims, the policy tables, the plots, report.md and results.json."""
+    claims, extra = build_claims(data["results"])
+    tables = {w: policy_table(data["results"], w) for w in ("shared", "hotspot", "bursty")}
+    sat = rows_for(data["results"], "saturated")
+    tables["saturated"] = {p: {k: ci95(column(sat, p, k)) for k in
+                               ("throughput_rps", "throughput_out_tps", "token_hit_rate")}
+                           for p in ("round_robin", "priced")} if sat else {}
+    stale = rows_for(data["results"], "hotspot")
+    extra["staleness"] = {v: {k: ci95(column(stale, v, k)) for k in
+                              ("ttft_p50_s", "ttft_p90_s", "imbalance_assigned")}
+                          for v in ("priced", "priced@scrape1s", "priced@scrape4s")}
+    doc = {
+        "setup": {"workers": runs.WORKERS, "rate": runs.RATE,
+                  "saturating_rate": runs.SATURATING_RATE, "duration_s": runs.DURATION,
+                  "load_weights": runs.LOAD_WEIGHTS,
+                  "workloads": {k: v.to_dict() for k, v in runs.WORKLOADS.items()},
+                  "cost": runs.STUDY_COST.to_dict()},
+        "speed": {k: data[k] for k in ("wall_s", "processes", "seeds", "simulated_requests",
+                                       "sim_requests_per_wall_s", "sim_requests_per_cpu_s",
+                                       "runs")},
+        "claims": [{"id": c.id, "claim": c.text, "original": c.original, "unit": c.unit,
+                    "values": c.values, "ours": c.stats, "verdict": c.verdict, "note": c.note,
+                    **c.extra} for c in claims],
+        "policies": tables,
+        "extra": extra,
+    }
+    figs = plots.make_all(data["results"], extra, tables, output)
+    output.write(render(claims, extra, tables, doc["speed"], figs), doc)
+    return claims, doc

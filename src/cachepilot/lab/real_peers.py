@@ -1,5 +1,6 @@
-"""The real-worker study: CachePilot and the peers' routers (sglang-router, vllm-router from
-PyPI) in front of the same llama.cpp workers, the same requests, several seeds and workloads.
+"""``cachepilot experiment real-peers``: CachePilot and the peers' routers (sglang-router,
+vllm-router from PyPI) in front of the same llama.cpp workers, the same requests, several
+seeds and workloads.
 
 For each (workload, seed) cell every router gets a phase of its own on fresh workers (fresh
 caches, the same warm-up): the requests and their arrival times are the cell's, identical for
@@ -21,12 +22,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachepilot.lab import real_traffic as wl
+from cachepilot.lab.real_model import drive
+from cachepilot.lab.real_model import summarize as cachepilot_summary
 from cachepilot.records.stats import imbalance
-from cachepilot.sim.experiments import LLAMA_WORKLOADS
+from cachepilot.sim.llamacpp import LLAMA_WORKLOADS
 from cachepilot.sim.workloads import SimRequest, WorkloadSpec
-from cachepilot.tooling.llamacpp import workload as wl
-from cachepilot.tooling.llamacpp.experiment import drive
-from cachepilot.tooling.llamacpp.experiment import summarize as cachepilot_summary
 from cachepilot.tooling.llamacpp.routers import ROUTERS, RouterSpec
 from cachepilot.tooling.llamacpp.stack import LlamaStack
 from cachepilot.tooling.llamacpp.worker import LlamaWorkerSpec
@@ -35,7 +36,7 @@ from cachepilot.tooling.loadgen import summarize as loadgen_summary
 from cachepilot.tooling.procs import http_get
 
 # Sized for two single-thread workers on 2 cores (a cold ~550-token prefill ≈ 1.7 s); the
-# specs and why: cachepilot.sim.experiments.LLAMA_WORKLOADS (the peers study simulates them).
+# specs and why: cachepilot.sim.llamacpp.LLAMA_WORKLOADS (the peers study simulates them).
 WORKLOADS: dict[str, WorkloadSpec] = dict(LLAMA_WORKLOADS)
 # The peers' default policy each. Round robin and power_of_two (--routers) are left out by
 # default: on this shared 2-core machine a phase takes ~2-3 min, and the study must stay

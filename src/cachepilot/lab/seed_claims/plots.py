@@ -1,29 +1,32 @@
-"""PNG plots of the studies (matplotlib, Agg backend: no display needed)."""
+"""The seed-claims study's PNG plots."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+
+from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.plots import plt
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def make_all(results: list[dict], extra: dict[str, Any], tables: dict[str, Any],
-             out: Path) -> dict[str, str]:
+             output: StudyOutput) -> dict[str, str]:
+    """Every plot, saved by ``output``: plot name → file name."""
     figs = {}
     for wl in ("shared", "hotspot", "bursty"):
-        figs[f"ttft_{wl}"] = ttft_cdf(results, wl, out / f"ttft_{wl}.png")
-    figs["imbalance"] = imbalance(tables, out / "imbalance.png")
-    figs["weight_sweep"] = weight_sweep(extra["sweeps"], out / "weight_sweep.png")
-    figs["seed_vs_weight"] = seed_vs_weight(extra["seed_vs_weight"], out / "seed_vs_weight.png")
+        figs[f"ttft_{wl}"] = output.figure(ttft_cdf(results, wl), f"ttft_{wl}.png")
+    figs["imbalance"] = output.figure(imbalance(tables), "imbalance.png")
+    figs["weight_sweep"] = output.figure(weight_sweep(extra["sweeps"]), "weight_sweep.png")
+    figs["seed_vs_weight"] = output.figure(seed_vs_weight(extra["seed_vs_weight"]),
+                                           "seed_vs_weight.png")
     return figs
 
 
-def ttft_cdf(results: list[dict], workload: str, path: Path) -> str:
+def ttft_cdf(results: list[dict], workload: str) -> Figure:
     rows = [r for r in results if r["workload"] == workload]
     fig, ax = plt.subplots(figsize=(8, 5))
     if rows:
@@ -42,12 +45,10 @@ def ttft_cdf(results: list[dict], workload: str, path: Path) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return fig
 
 
-def imbalance(tables: dict[str, Any], path: Path) -> str:
+def imbalance(tables: dict[str, Any]) -> Figure:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     for ax, wl in zip(axes, ("shared", "hotspot"), strict=True):
         t = tables.get(wl, {})
@@ -64,12 +65,10 @@ def imbalance(tables: dict[str, Any], path: Path) -> str:
     axes[0].set_ylabel("imbalance")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return fig
 
 
-def weight_sweep(sweeps: dict[str, Any], path: Path) -> str:
+def weight_sweep(sweeps: dict[str, Any]) -> Figure:
     fig, axes = plt.subplots(1, len(sweeps), figsize=(11, 4.5))
     for ax, (regime, s) in zip(np.atleast_1d(axes), sweeps.items(), strict=True):
         ws = [float(w) for w in s["curve"]]
@@ -89,12 +88,10 @@ def weight_sweep(sweeps: dict[str, Any], path: Path) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return fig
 
 
-def seed_vs_weight(sv: dict[str, Any], path: Path) -> str:
+def seed_vs_weight(sv: dict[str, Any]) -> Figure:
     fig, ax = plt.subplots(figsize=(7, 4))
     names = list(sv["effects"])
     mean = np.array([sv["effects"][k]["mean"] for k in names]) * 1000
@@ -109,23 +106,4 @@ def seed_vs_weight(sv: dict[str, Any], path: Path) -> str:
     ax.set_title(f"Seed variance vs weight changes ({sv['workload']} workload, priced)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
-
-
-def paired_differences(ax: Any, vs: dict[str, dict[str, Any]], metrics: tuple[str, ...],
-                       xlabel: str) -> None:
-    """One row per compared policy or router: each metric's paired relative difference
-    (``cachepilot.sim.stats.paired``: ``rel``, ``rel_lo``, ``rel_hi``) with its 95 % interval,
-    in %, the zero line marking no difference."""
-    names = list(vs)
-    for j, k in enumerate(metrics):
-        m = np.array([vs[o][k]["rel"] for o in names]) * 100
-        lo = np.array([vs[o][k]["rel_lo"] for o in names]) * 100
-        hi = np.array([vs[o][k]["rel_hi"] for o in names]) * 100
-        ax.errorbar(m, np.arange(len(names)) + (j - 1) * 0.25, xerr=[m - lo, hi - m], fmt="o",
-                    ms=4, capsize=3, label=k.replace("ttft_", "").replace("_s", ""))
-    ax.axvline(0, color="k", lw=0.8)
-    ax.set_yticks(np.arange(len(names)), names, fontsize=8)
-    ax.set_xlabel(xlabel)
+    return fig

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
+from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.parallel import Progress
+from cachepilot.lab.peers import METRICS, run_seeded, workloads
+from cachepilot.lab.plots import plt
+from cachepilot.lab.stats import ci95, paired
 from cachepilot.sim.measures import summarize
-from cachepilot.sim.parallel import Progress
-from cachepilot.sim.peers_study import METRICS, run_seeded, workloads
-from cachepilot.sim.plots import plt
 from cachepilot.sim.simulator import Simulator
-from cachepilot.sim.stats import ci95, paired
 from cachepilot.sim.workloads import generate
 
 BUS_DELAY_S = 0.002  # one-way, as measured for NATS on loopback (0.26 ms) with headroom
@@ -83,7 +83,7 @@ def meets(st: dict[str, Any], case: str = "4 synced") -> bool:
 
 def report(data: dict[str, Any], stats: dict[str, Any], fig: str) -> str:
     L = ["# Several gateway replicas, alone or sharing their state", "",
-         f"`cachepilot experiment replicas --seeds {data['seeds']}`: "
+         f"{data['seeds']} seeds, "
          f"{len(data['results'])} (workload, seed) tasks in {data['wall_s']:.0f} s. "
          "Requests reach a replica at random (Envoy's spread over the ext_proc cluster) unless "
          "the case says `service` (a client keeps its replica for a connection). `synced`: "
@@ -111,7 +111,7 @@ def report(data: dict[str, Any], stats: dict[str, Any], fig: str) -> str:
     return "\n".join(L)
 
 
-def plot(stats: dict[str, Any], out: Path) -> str:
+def plot(stats: dict[str, Any], output: StudyOutput) -> str:
     fig, axes = plt.subplots(2, len(stats), figsize=(3.6 * len(stats), 6.4), squeeze=False)
     for j, (name, st) in enumerate(stats.items()):
         for row, (key, label, scale) in enumerate((("token_hit_rate", "token hit rate", 1.0),
@@ -131,21 +131,16 @@ def plot(stats: dict[str, Any], out: Path) -> str:
                 ax.set_title(name)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    name = "replicas.png"
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
-    return name
+    return output.figure(fig, "replicas.png")
 
 
-def write_outputs(data: dict[str, Any], out: Path) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
+def write_outputs(data: dict[str, Any], output: StudyOutput) -> dict[str, Any]:
+    """The statistics, the plot, report.md and results.json."""
     stats = analyse(data)
-    fig = plot(stats, out)
-    (out / "report.md").write_text(report(data, stats, fig))
-    doc = {"seeds": data["seeds"], "wall_s": data["wall_s"], "bus_delay_s": BUS_DELAY_S,
-           "cases": {c: {"replicas": n, "sharing": s, "sync_delay_s": d}
-                     for c, (n, s, d) in CASES.items()},
-           "stats": stats, "results": data["results"]}
-    (out / "results.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2
-                                                    | orjson.OPT_SERIALIZE_NUMPY))
+    fig = plot(stats, output)
+    output.write(report(data, stats, fig),
+                 {"seeds": data["seeds"], "wall_s": data["wall_s"], "bus_delay_s": BUS_DELAY_S,
+                  "cases": {c: {"replicas": n, "sharing": s, "sync_delay_s": d}
+                            for c, (n, s, d) in CASES.items()},
+                  "stats": stats, "results": data["results"]})
     return stats

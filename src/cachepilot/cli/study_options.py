@@ -1,0 +1,112 @@
+"""What ``cachepilot experiment``'s commands share: defaults read from the study that owns
+them without importing it up front, comma-separated name lists, the command line that
+reproduces a run, and the one-line refusal when an optional extra is missing.
+
+The studies (:mod:`cachepilot.lab`) load only when their command runs, so listing them or a
+base install (``pip install .``, no extras) never fails on a study's dependencies; yet each
+default stays where the study defines it and ``--help`` still shows its value.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+
+def resolve(ref: str) -> Any:
+    """``"package.module:Name.attr"`` → that object (the module is imported now)."""
+    module, _, path = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class StudyOption(click.Option):
+    """An option whose default (``study_default="module:attr"``) and the values its help
+    names (``help_refs``: placeholder → ``"module:attr"``, filled into ``help``) are a
+    study's own, read when the command runs or shows its help, not when the CLI is imported.
+    ``convert`` turns the study's default into the option's (a tuple of names into a
+    comma-separated string)."""
+
+    def __init__(self, *args: Any, study_default: str | None = None,
+                 convert: Callable[[Any], Any] | None = None,
+                 help_refs: dict[str, str] | None = None, **kwargs: Any) -> None:
+        if study_default is not None:
+            kwargs.setdefault("show_default", True)
+        super().__init__(*args, **kwargs)
+        self.study_default = study_default
+        self.convert = convert
+        self.help_refs = help_refs or {}
+
+    def get_default(self, ctx: click.Context, call: bool = True) -> Any:
+        if self.study_default is None:
+            return super().get_default(ctx, call)
+        value = resolve(self.study_default)
+        return self.convert(value) if self.convert else value
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        template = self.help
+        if template and self.help_refs:
+            self.help = template.format(**{k: _text(resolve(ref))
+                                           for k, ref in self.help_refs.items()})
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.help = template
+
+
+def _text(value: Any) -> str:
+    """A value as help text: names comma-separated, anything else as it prints."""
+    if isinstance(value, dict | list | tuple):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def names(choices_ref: str) -> Callable[[click.Context, click.Parameter, str], list[str]]:
+    """A callback parsing a comma-separated list of names, each a key of the mapping at
+    ``choices_ref`` (read when the option is parsed)."""
+
+    def parse(_ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+        choices = list(resolve(choices_ref))
+        picked = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [n for n in picked if n not in choices]
+        if bad or not picked:
+            raise click.BadParameter(f"{', '.join(bad) or 'none given'}: choose from "
+                                     f"{', '.join(choices)}", param=param)
+        return picked
+
+    return parse
+
+
+def command_line(ctx: click.Context, **resolved: Any) -> str:
+    """The command that reproduces this run: every option with the value it ran with
+    (defaults spelled out, so a later change of default does not change what it means);
+    ``resolved`` overrides values the command worked out itself (a trace found by default)."""
+    argv = ["cachepilot", *ctx.command_path.split()[1:]]
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option) or p.name is None:
+            continue
+        value = resolved.get(p.name, ctx.params.get(p.name))
+        if value is None or value is False:
+            continue
+        if p.is_flag:
+            argv.append(p.opts[0])
+        elif isinstance(value, list | tuple):
+            argv += [p.opts[0], ",".join(str(v) for v in value)]
+        else:
+            argv += [p.opts[0], f"{value:g}" if isinstance(value, float) else str(value)]
+    return shlex.join(argv)
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """One line naming the extra to install when a module the study needs is missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(f"this study needs {', '.join(missing)}: pip install "
+                                   f"'cachepilot[{extra}]'")
