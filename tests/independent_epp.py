@@ -131,8 +131,6 @@ class Stream:
     # -- the exchange -------------------------------------------------------------------------
     def request_headers(self, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         self.hint = self.read_hint(msg)
-        self.headers = {h.key: h.raw_value.decode("latin-1") or h.value
-                        for h in msg.request_headers.headers.headers}
         if msg.request_headers.end_of_stream:  # no body: pick now
             return self.route(b"", eos=None)
         return []

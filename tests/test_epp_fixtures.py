@@ -16,7 +16,7 @@ import yaml
 
 from cachepilot.conformance import Report, SuiteConfig, catalog, run_suite
 from cachepilot.conformance.__main__ import main
-from cachepilot.conformance.report import Implementation, conformance_report
+from cachepilot.conformance.report import Implementation, conformance_report, profile_report
 from cachepilot.conformance.rules import EXTENSION, PROTOCOL, REFERENCE
 from cachepilot.tooling.stack import free_port
 
@@ -144,6 +144,7 @@ def test_report_has_the_upstream_shape(reports: dict[str, Report]) -> None:
     assert ext["statistics"] == {"Passed": len(_IDS[REFERENCE]) - 1, "Failed": 1, "Skipped": 0}
     assert ext["unsupportedFeatures"] == ["SubsetHintString"]
     assert "SubsetHintString" not in ext["supportedFeatures"]
+    assert "unsupportedFeatures" not in profile_report("epp-core", reports["complete"])["extended"]
     assert len(ext["supportedFeatures"]) == len(_IDS[REFERENCE]) - 1
     by_id = {r["id"]: r for r in doc["rules"]}
     assert by_id["P06"]["class"] == "protocol" and by_id["P06"]["level"] == "required"

@@ -60,10 +60,10 @@ def profile_report(profile: str, report: Report) -> dict[str, Any]:
         ext_results = [r for r in report.results if r.cls == ext_cls]
         features = {r.id: r.feature for r in catalog()}
         extended = _status(ext_results)
-        extended["supportedFeatures"] = sorted(features[r.id] for r in ext_results
-                                               if r.outcome == "passed")
-        extended["unsupportedFeatures"] = sorted(features[r.id] for r in ext_results
-                                                 if r.outcome != "passed")
+        for key, have in (("supportedFeatures", True), ("unsupportedFeatures", False)):
+            names = sorted(features[r.id] for r in ext_results if r.passed == have)
+            if names:  # omitempty, as upstream
+                extended[key] = names
         out["extended"] = extended
     return out
 

@@ -125,10 +125,10 @@ async def check_fail_open(ctx: Context) -> None:
     assert first and canonical(first[0]) == canonical(r.worker), (
         f"the EPP named {header or meta!r}, the request reached {r.worker}")
     before = ctx.hits()
-    r = await ctx.post(ctx.body("fail-open nowhere"), host=FAIL_OPEN_HOST, hint=[NOWHERE])
-    expect_refused(r, 503, f"POST through the fail-open route with the hint [{NOWHERE}]")
     r = await ctx.get("/v1/models", host=FAIL_OPEN_HOST, hint=[NOWHERE])
     expect_refused(r, 503, f"GET through the fail-open route with the hint [{NOWHERE}]")
+    r = await ctx.post(ctx.body("fail-open nowhere"), host=FAIL_OPEN_HOST, hint=[NOWHERE])
+    expect_refused(r, 503, f"POST through the fail-open route with the hint [{NOWHERE}]")
     assert ctx.hits() == before, "a worker was contacted"
 
 
