@@ -78,6 +78,8 @@ async def check_destination_metadata(ctx: Context) -> None:
       _FORMAT,
       epp("pkg/epp/requestcontrol/director.go", "L326",
           "net.JoinHostPort(address, port) writes [addr]:port"),
+      epp("pkg/epp/handlers/request.go", "L50",
+          "but its bodyless path writes GetIPAddress() + \":\" + GetPort(), unbracketed"),
       lwepp("pkg/lwepp/handlers/server.go", "L99", "net.JoinHostPort"),
       envoy_doc("https://www.envoyproxy.io/docs/envoy/latest/api-v3/extensions/"
                 "load_balancing_policies/override_host/v3/override_host.proto",

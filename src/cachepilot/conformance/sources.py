@@ -28,7 +28,7 @@ class Source:
     def cite(self) -> str:
         if self.where.startswith("https://"):
             return self.where
-        return f"{self.repo} {self.where} @{self.commit}"
+        return f"{self.repo} {self.where}" + (f" @{self.commit}" if self.commit else "")
 
     def as_dict(self) -> dict[str, str]:
         out = {"citation": self.cite()}
@@ -44,12 +44,12 @@ def proto(lines: str, quote: str) -> Source:
 
 def epp(path: str, lines: str, what: str) -> Source:
     """The full reference EPP's code."""
-    return Source(f"{path} {lines}", EPP_COMMIT, quote=what)
+    return Source(f"{path} {lines}".strip(), EPP_COMMIT, quote=what)
 
 
 def lwepp(path: str, lines: str, what: str) -> Source:
     """The lightweight reference EPP (pkg/lwepp) or other files at HEAD."""
-    return Source(f"{path} {lines}", LWEPP_COMMIT, quote=what)
+    return Source(f"{path} {lines}".strip(), LWEPP_COMMIT, quote=what)
 
 
 def issue(url: str, what: str) -> Source:
