@@ -23,8 +23,9 @@ def esc(text: Any) -> str:
 
 
 def code(text: Any) -> str:
-    """Inline code safe inside a table cell (pipes escaped, backticks fenced)."""
-    s = " ".join(str(text).split()).replace("|", "\\|")
+    """Inline code, also inside a table cell (Python-Markdown's tables do not split a row
+    at a pipe inside a code span, so none is escaped)."""
+    s = " ".join(str(text).split())
     fence = "``" if "`" in s else "`"
     pad = " " if s.startswith("`") or s.endswith("`") else ""
     return f"{fence}{pad}{s}{pad}{fence}"
