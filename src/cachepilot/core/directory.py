@@ -154,16 +154,18 @@ class PrefixDirectory:
         return worker in self._workers
 
     # -- data ---------------------------------------------------------------------------------
-    def insert(self, worker: str, hashes: Sequence[int]) -> None:
+    def insert(self, worker: str, hashes: Sequence[int], *, learned_only: bool = False) -> None:
         """Record that ``worker`` now holds these blocks (a prompt's chain, root first).
 
         Blocks are touched leaf-first so the root ends most recently used: a shared prefix
         outlives the unique tails hanging off it, as in vLLM's free-block queue.
+        ``learned_only``: the hashes are not the engine's (a request whose prompt could not
+        be reproduced exactly): never pending, since no event will ever name them.
         """
         wb = self._workers.get(worker)
         if wb is None:
             return
-        if wb.mode != APPROXIMATE:
+        if wb.mode != APPROXIMATE and not learned_only:
             self._add_pending(wb, hashes)
         if wb.slots is not None:
             self._insert_slot(wb, hashes)
@@ -258,16 +260,18 @@ class PrefixDirectory:
     def _clear(self, h: int, bit: int) -> None:
         _drop_bit(self._masks, h, bit)
 
-    def match(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+    def match(self, hashes: Sequence[int], workers: Iterable[str], *,
+              learned_only: bool = False) -> dict[str, int]:
         """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
-        mode: the event set, the routing-learned set, or both)."""
+        mode: the event set, the routing-learned set, or both). ``learned_only``: read the
+        routing-learned set whatever the mode (hashes that are not the engine's)."""
         wanted = {w: self._workers[w] for w in workers if w in self._workers}
         result = dict.fromkeys(wanted, 0)
         learned = exact = 0  # bits reading the routing-learned / the event map
         for wb in wanted.values():
-            if wb.mode != EXACT:
+            if wb.mode != EXACT or learned_only:
                 learned |= wb.bit
-            if wb.mode != APPROXIMATE:
+            if wb.mode != APPROXIMATE and not learned_only:
                 exact |= wb.bit
         active = learned | exact
         masks, event_masks = self._masks, self._event_masks

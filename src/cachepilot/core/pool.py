@@ -10,6 +10,7 @@ from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig
 from cachepilot.core.policies import Policy, make_policy
+from cachepilot.core.vllm_prompt import VllmPrompts
 from cachepilot.core.workers import WorkerMetrics, WorkerSnapshot, WorkerState
 
 
@@ -37,6 +38,10 @@ class Pool:
         self.policy.bind(self)
         self.workers: dict[str, WorkerState] = {}
         self.directory = PrefixDirectory(spec.capacity_blocks)
+        # How the pool's engines turn a request into prompt tokens (vLLM pools hashing
+        # exactly: tokenizer, chat template, LoRA adapters), loaded by whoever built the
+        # pool; None: the router's.
+        self.prompts: VllmPrompts | None = None
         self.seq = 0
         self._rate = 0.0  # requests/s, exponentially weighted over RATE_WINDOW_S
         self._rate_at = 0.0

@@ -44,6 +44,10 @@ KV_EVENT_COUNTERS: dict[str, tuple[str, str]] = {
                  "KV-event publisher restarts seen (sequence numbers went back)"),
     "malformed": ("cachepilot_kv_event_malformed_frames",
                   "KV-event frames that could not be decoded, skipped"),
+    "unreadable_events": ("cachepilot_kv_event_unreadable_events",
+                          "KV events of a type or shape the gateway cannot read (the "
+                          "worker's event history gets a hole: degraded)"),
+
     "batches": ("cachepilot_kv_event_batches", "KV-event batches applied to the directory"),
 }
 
@@ -79,6 +83,11 @@ class GatewayMetrics:
         self.predicted_hits = Counter("cachepilot_predicted_hits",
                                       "Decisions predicted to hit a cached prefix",
                                       ["pool"], registry=r)
+        self.exact_fallbacks = Counter(
+            "cachepilot_exact_fallbacks",
+            "Requests in a pool hashing as its vLLM engines do whose prompt could not be "
+            "reproduced exactly, matched on the approximate directory instead, by reason",
+            ["pool", "reason"], registry=r)
         # -- outcomes: prediction vs measurement ----------------------------------------------
         self.hit_outcomes = Counter("cachepilot_hit_outcomes",
                                     "Predicted vs measured cache hits (from the worker's usage)",
