@@ -246,7 +246,7 @@ def test_the_fallback_is_recorded_and_counted() -> None:
     from cachepilot.gateway.plugins import MetricsPlugin
     from cachepilot.records.schema import decision_to_record
 
-    router, pool = exact_router()
+    router, _ = exact_router()
     metrics = GatewayMetrics()
     router.add_plugin(MetricsPlugin(metrics))
     body = chat([{"role": "user", "content": "Hi"}], truncate_prompt_tokens=3)

@@ -65,6 +65,11 @@ class _WorkerBlocks:
     # hash → the generation it was routed in; aged out by :meth:`PrefixDirectory.age_pending`.
     pending: OrderedDict[int, int] = field(default_factory=OrderedDict)
     generation: int = 0
+    # Engine restarts (see PrefixDirectory.restarted): how many the scrape found (the event
+    # stream watches it), and when the batch 0 the event set starts from was stamped (the
+    # engine's clock; None: the set does not start at a publisher's batch 0).
+    epoch: int = 0
+    events_since: float | None = None
 
     def held(self) -> Iterable[int]:
         return self.refs if self.slots is not None else self.lru
@@ -360,6 +365,45 @@ class PrefixDirectory:
         if wb.slots is not None:
             wb.refs.clear()
             wb.slots = [()] * len(wb.slots)
+
+    # -- engine restarts ------------------------------------------------------------------------
+    def restarted(self, worker: str, process_start: float | None = None) -> None:
+        """A scrape found a new engine process behind ``worker`` (started at
+        ``process_start``, the engine's clock; None: counters went back): its cache is
+        empty, so both sets are emptied and the restart count (:meth:`epoch`) goes up, which
+        tells the event stream to expect the new publisher from its batch 0. Unless the
+        event stream already follows the new process from its first batch (an event came
+        before the scrape: its batch 0 is stamped after the process started, on the same
+        clock): then the event set is the new engine's truth and only the routing-learned
+        set, about the old process, is emptied."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        fresh = (wb.events_since is not None and process_start is not None
+                 and wb.events_since >= process_start)
+        if fresh:
+            for h in wb.held():
+                self._clear(h, wb.bit)
+            wb.lru.clear()
+            if wb.slots is not None:
+                wb.refs.clear()
+                wb.slots = [()] * len(wb.slots)
+            return
+        self.cleared(worker)
+        wb.epoch += 1
+        wb.events_since = None
+
+    def events_fresh(self, worker: str, since: float | None) -> None:
+        """The event set follows ``worker``'s publisher from its batch 0, stamped ``since``
+        (the engine's clock; None: unknown)."""
+        wb = self._workers.get(worker)
+        if wb is not None:
+            wb.events_since = since
+
+    def epoch(self, worker: str) -> int:
+        """How many engine restarts the scrape has found for ``worker``."""
+        wb = self._workers.get(worker)
+        return wb.epoch if wb is not None else 0
 
     def event_blocks(self, worker: str) -> frozenset[int]:
         wb = self._workers.get(worker)

@@ -44,7 +44,7 @@ KV_EVENT_COUNTERS: dict[str, tuple[str, str]] = {
                  "KV-event publisher restarts seen (sequence numbers went back)"),
     "malformed": ("cachepilot_kv_event_malformed_frames",
                   "KV-event frames that could not be decoded, skipped"),
-    "unreadable_events": ("cachepilot_kv_event_unreadable_events",
+    "unreadable": ("cachepilot_kv_event_unreadable_events",
                           "KV events of a type or shape the gateway cannot read (the "
                           "worker's event history gets a hole: degraded)"),
 
