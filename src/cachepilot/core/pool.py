@@ -42,6 +42,7 @@ class Pool:
         # exactly: tokenizer, chat template, LoRA adapters), loaded by whoever built the
         # pool; None: the router's.
         self.prompts: VllmPrompts | None = None
+        self.own_prompts = False  # the pool names its own (never the router's, even if None)
         self.seq = 0
         self._rate = 0.0  # requests/s, exponentially weighted over RATE_WINDOW_S
         self._rate_at = 0.0

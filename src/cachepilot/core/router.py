@@ -71,8 +71,8 @@ class Router:
             return req.fingerprint
         block = pool.spec.block
         if block.vllm_seed is not None:  # exact where the engine's prompt is reproduced
-            return engine_fingerprint(req, req.model, block, pool.prompts or self.prompts,
-                                      self.tokenizer)
+            prompts = pool.prompts if pool.own_prompts else pool.prompts or self.prompts
+            return engine_fingerprint(req, req.model, block, prompts, self.tokenizer)
         return fingerprint(req.model, block, text=req.prompt,
                            token_ids=req.token_ids, tokenizer=self.tokenizer)
 
