@@ -259,3 +259,13 @@ def test_the_fallback_is_recorded_and_counted() -> None:
         "cachepilot_exact_fallbacks_total", {"pool": "default",
                                              "reason": "truncate_prompt_tokens"})
     assert value == 1.0
+
+
+def test_other_replicas_learn_a_fallback_as_routing_learned_only() -> None:
+    from cachepilot.core.sync import Placed, event_from_dict, event_to_dict
+
+    e = Placed("r1", "d1", "default", "w1:1", (7, 8), 10, approximate=True)
+    assert event_from_dict(event_to_dict(e)) == e
+    plain = Placed("r1", "d2", "default", "w1:1", (7, 8), 10)
+    assert "approximate" not in event_to_dict(plain)  # the wire stays as it was
+    assert event_from_dict(event_to_dict(plain)).approximate is False
