@@ -104,6 +104,9 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
         "predicted_ttft_ms": winner.predicted_ttft_ms if winner else None,
         "predicted_hit": bool(winner and winner.matched_blocks > 0),
         "predicted_cached_tokens": winner.matched_tokens if winner else 0,
+        # Why the request was matched approximately in a pool hashing as its engines do
+        # (no chat template, multimodal, …); None: exactly, or the pool is approximate.
+        "exact_fallback": decision.fallback,
     }
     if cost is not None:
         rec["cost"] = dict(cost)
