@@ -34,6 +34,9 @@ TOP: dict[str, str] = {
     "time": "When it was decided, on the driver's clock (Unix seconds for the gateway, "
             "virtual seconds for the simulator).",
     "pool": "The pool that served the model.",
+    "exact_fallback": "Why this request was fingerprinted approximately although its pool is "
+                      "exact (e.g. images, a template it cannot render, an unknown adapter), or "
+                      "null: its block hashes are the engine's own.",
     "model": "The body's `model`.",
     "policy": "The policy that decided (`priced` by default).",
     "weights": "The pool's weights on the priced terms.",
