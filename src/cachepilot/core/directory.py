@@ -65,6 +65,14 @@ class _WorkerBlocks:
     # hash → the generation it was routed in; aged out by :meth:`PrefixDirectory.age_pending`.
     pending: OrderedDict[int, int] = field(default_factory=OrderedDict)
     generation: int = 0
+    # The routing-learned set is prefix-closed: every insert adds a whole chain, and the
+    # LRU evicts a chain's blocks leaf first (a parent is touched after its children, so it
+    # is never older), so holding a block means holding its chain up to it. An engine's
+    # removal can punch a hole; from then on matches scan (until the set is emptied).
+    closed: bool = True
+    # The chain the last insert touched, while nothing else has changed ``lru`` since: the
+    # same chain again (one prompt sent over and over) needs no move at all.
+    last_chain: Sequence[int] | None = None
 
     def held(self) -> Iterable[int]:
         return self.refs if self.slots is not None else self.lru
@@ -136,6 +144,7 @@ class PrefixDirectory:
             self._clear(h, wb.bit)
         wb.lru.clear()
         wb.refs.clear()
+        wb.last_chain = None
         wb.slots, wb.slot_blocks, wb.capacity = [], slot_blocks, slots * slot_blocks
         for chain in [()] * (slots - len(kept)) + kept:
             self._fill_slot(wb, tuple(chain[:slot_blocks]))
@@ -169,6 +178,10 @@ class PrefixDirectory:
             self._insert_slot(wb, hashes)
             return
         lru, masks, bit = wb.lru, self._masks, wb.bit
+        last = wb.last_chain
+        if last is not None and len(last) == len(hashes) and last[-1:] == hashes[-1:] \
+                and tuple(last) == tuple(hashes):
+            return  # the same chain again, still the most recent: nothing moves
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
@@ -176,10 +189,13 @@ class PrefixDirectory:
                 lru[h] = None
                 masks[h] = masks.get(h, 0) | bit
         self._evict(wb)
+        wb.last_chain = hashes if len(hashes) <= wb.capacity else None
 
     def _evict(self, wb: _WorkerBlocks) -> None:
         lru, masks, keep = wb.lru, self._masks, ~wb.bit
         excess = len(lru) - wb.capacity
+        if excess > 0:
+            wb.last_chain = None
         for _ in range(excess):  # the hot loop of a full directory: _clear inlined
             h, _ = lru.popitem(last=False)
             mask = masks[h] & keep
@@ -258,19 +274,44 @@ class PrefixDirectory:
     def _clear(self, h: int, bit: int) -> None:
         _drop_bit(self._masks, h, bit)
 
-    def match(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+    def match(self, hashes: Sequence[int], workers: Iterable[str], *,
+              chained: bool = False) -> dict[str, int]:
         """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
-        mode: the event set, the routing-learned set, or both)."""
+        mode: the event set, the routing-learned set, or both).
+
+        ``chained``: every list this directory was given and ``hashes`` are chained block
+        hashes (a block's hash names its whole prefix, as fingerprints do), so a worker
+        whose set is *prefix-closed* (:attr:`_WorkerBlocks.closed`: holding a block means
+        holding every block before it) is found by bisection, a few dozen lookups whatever
+        the prompt's length (:func:`_closed_depths`). The others, and every worker without
+        ``chained``, by a scan that stops where the last of them stops matching."""
         wanted = {w: self._workers[w] for w in workers if w in self._workers}
         result = dict.fromkeys(wanted, 0)
-        learned = exact = 0  # bits reading the routing-learned / the event map
+        if not hashes:
+            return result
+        closed = learned = exact = 0  # bits read by bisection / the scan's two maps
         for wb in wanted.values():
+            if chained and wb.mode == APPROXIMATE and wb.closed:
+                closed |= wb.bit
+                continue
             if wb.mode != EXACT:
                 learned |= wb.bit
             if wb.mode != APPROXIMATE:
                 exact |= wb.bit
+        found = (_closed_depths(hashes, closed, self._masks) if closed else []) + (
+            self._scan(hashes, learned, exact) if learned | exact else [])
+        for depth, bits in found:
+            for w, wb in wanted.items():
+                if bits & wb.bit:
+                    result[w] = depth
+        return result
+
+    def _scan(self, hashes: Sequence[int], learned: int, exact: int) -> list[tuple[int, int]]:
+        """Block by block: (depth, the bits that stop matching there), the bits that match
+        every block last, at ``len(hashes)``."""
         active = learned | exact
         masks, event_masks = self._masks, self._event_masks
+        out: list[tuple[int, int]] = []
         depth = 0
         for h in hashes:
             held = masks.get(h, 0) & learned
@@ -278,18 +319,13 @@ class PrefixDirectory:
                 held |= event_masks.get(h, 0) & exact
             still = active & held
             if still != active:
-                dropped = active & ~still
-                for w, wb in wanted.items():
-                    if dropped & wb.bit:
-                        result[w] = depth
+                out.append((depth, active & ~still))
                 active = still
                 if not active:
-                    return result
+                    return out
             depth += 1
-        for w, wb in wanted.items():
-            if active & wb.bit:
-                result[w] = depth
-        return result
+        out.append((depth, active))
+        return out
 
     # -- engine events (exact mode) ------------------------------------------------------------
     def mode(self, worker: str) -> Mode | None:
@@ -343,6 +379,8 @@ class PrefixDirectory:
             if wb.slots is None and h in wb.lru:
                 del wb.lru[h]
                 self._clear(h, bit)
+                wb.last_chain = None
+                wb.closed = False  # its descendants may still be held
 
     def cleared(self, worker: str) -> None:
         """The engine dropped every block (AllBlocksCleared, or a restart): both sets empty."""
@@ -353,6 +391,7 @@ class PrefixDirectory:
         for h in wb.held():
             self._clear(h, wb.bit)
         wb.lru.clear()
+        wb.closed, wb.last_chain = True, None
         if wb.slots is not None:
             wb.refs.clear()
             wb.slots = [()] * len(wb.slots)
@@ -423,6 +462,31 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def _closed_depths(hashes: Sequence[int], bits: int, masks: dict[int, int]
+                   ) -> list[tuple[int, int]]:
+    """(depth, workers) for workers of ``bits`` whose sets are prefix-closed: each holds a
+    leading run of ``hashes`` and nothing after it, so the set of them holding block *i*
+    only shrinks as *i* grows, and bisection between two blocks held by the same workers
+    can skip everything between them. O(changes × log n) lookups."""
+    get = masks.get
+    n = len(hashes)
+    first, last = get(hashes[0], 0) & bits, get(hashes[-1], 0) & bits
+    out = [(0, bits & ~first), (n, last)]
+    todo = [(0, n - 1, first, last)]
+    while todo:
+        lo, hi, m_lo, m_hi = todo.pop()
+        if m_lo == m_hi:
+            continue
+        if hi - lo == 1:
+            out.append((hi, m_lo & ~m_hi))  # held through block lo, not block hi
+            continue
+        mid = (lo + hi) // 2
+        m_mid = get(hashes[mid], 0) & bits
+        todo.append((lo, mid, m_lo, m_mid))
+        todo.append((mid, hi, m_mid, m_hi))
+    return out
 
 
 def _drop_bit(masks: dict[int, int], h: int, bit: int) -> None:

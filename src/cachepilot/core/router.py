@@ -18,10 +18,11 @@ from cachepilot.core.cost import (
     queue_ms,
 )
 from cachepilot.core.decision import Candidate, Decision, RoutingError
-from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer, fingerprint
+from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer
 from cachepilot.core.lifecycle import Outcome, Plugin, Response
 from cachepilot.core.policies import Context, pick
 from cachepilot.core.pool import Pool, PoolSpec
+from cachepilot.core.prefix_cache import Fingerprinter
 from cachepilot.core.request import InferenceRequest, RequestError
 
 
@@ -34,6 +35,7 @@ class Router:
                  tokenizer: Tokenizer | None = None, plugins: Sequence[Plugin] = ()) -> None:
         self.pools: dict[str, Pool] = {p.name: p for p in pools}
         self.tokenizer = tokenizer
+        self.fingerprinter = Fingerprinter(tokenizer)
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self._id_prefix = id_prefix if id_prefix is not None else os.urandom(4).hex()
         self._counter = 0
@@ -62,10 +64,12 @@ class Router:
         return fallback
 
     def fingerprint(self, req: InferenceRequest, pool: Pool) -> Fingerprint:
+        """The request's block hashes: given (the simulator), or computed, reusing what a
+        long prompt shares with a recent one (:class:`Fingerprinter`)."""
         if isinstance(req.fingerprint, Fingerprint):
             return req.fingerprint
-        return fingerprint(req.model, pool.spec.block, text=req.prompt,
-                           token_ids=req.token_ids, tokenizer=self.tokenizer)
+        return self.fingerprinter(req.model, pool.spec.block, text=req.prompt,
+                                  token_ids=req.token_ids)
 
     def next_id(self) -> str:
         self._counter += 1
@@ -119,7 +123,7 @@ class Router:
         pool rebuilt from the record (:mod:`cachepilot.records.replay`)."""
         spec = pool.spec
         cost = spec.cost
-        matches = pool.directory.match(fp.hashes, pool.workers)
+        matches = pool.directory.match(fp.hashes, pool.workers, chained=True)
         rate = pool.arrival_rate(now)
         # Arrivals per ms at one worker, if the pool's recent rate spread evenly.
         lam = rate / 1000.0 / max(1, len(pool.workers))
@@ -239,14 +243,14 @@ class Router:
 def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],
                   block: BlockConfig, capacity_blocks: int, engine: str,
                   cost: CostModel | None = None, pool_name: str = "default",
-                  tokenizer: Tokenizer | None = None) -> Router:
+                  tokenizer: Tokenizer | None = None, id_prefix: str | None = None) -> Router:
     """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
     spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
                     block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel())
     pool = Pool(spec)
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})
-    return Router([pool], tokenizer=tokenizer)
+    return Router([pool], tokenizer=tokenizer, id_prefix=id_prefix)
 
 
 def _no_worker(pool: Pool, cands: list[Candidate], only: Collection[str] | None
