@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -163,8 +164,9 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 check_port_free(admin_port + i if admin_port else 0, "--admin-port")
     except PortInUseError as exc:
         raise click.ClickException(str(exc)) from None
-    if processes > 1 and slot is None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if processes > 1 and slot is None:  # the supervisor (a spare: once it is needed)
+        if standby and slot is None and not sys.stdin.readline():
+            return
         raise SystemExit(supervise(child_argv(), processes))
     extra_listen: tuple[str, ...] = ()
     if slot is not None:  # the shared port (SO_REUSEPORT), and this process's own
@@ -208,7 +210,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "
                    f"admin http://{admin_host}:{gw.admin_port}", err=True)
 
-    if standby and not sys.stdin.readline():
+    if standby and slot is None and not sys.stdin.readline():
         return  # the supervisor stopped without needing this spare
     gateway = Gateway(router, config)
 
@@ -241,6 +243,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
               help="Stream response bodies through the gateway (measured TTFT, cached tokens).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml")
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the bootstrap here instead of stdout (an init container's).")
 @click.option("--epp", is_flag=True,
               help="Envoy in front of an endpoint picker (any EPP, CachePilot's with "
                    "--protocol epp or auto) as the Gateway API Inference Extension's reference "
@@ -255,7 +259,7 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                      ext_proc_processes: int,
                      fail_open: bool, fallback: str, observe_responses: bool,
                      max_body_bytes: int, fmt: str, epp: bool, workers: str,
-                     subset_from_header: bool) -> None:
+                     subset_from_header: bool, output: str | None) -> None:
     """Print Envoy's bootstrap for CachePilot."""
     from cachepilot.deploy.envoy import EnvoyOptions, EppEnvoyOptions, render
 
@@ -276,7 +280,7 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                                     subset_from_header=subset_from_header)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
-        sys.stdout.write(render(eopts, fmt))
+        _emit(render(eopts, fmt), output)
         return
     try:
         opts = EnvoyOptions(listen_address=listen_address, listen_port=listen_port,
@@ -287,4 +291,11 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                             ext_proc_processes=ext_proc_processes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    sys.stdout.write(render(opts, fmt))
+    _emit(render(opts, fmt), output)
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        Path(output).write_text(text)

@@ -165,6 +165,8 @@ class LocalStack(LoopbackAddresses):
 
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         c = self.config
+        if c.processes > 1 and c.replicas > 1:
+            raise ValueError("a stack has gateway replicas or one gateway of N processes")
         check_port_free(c.port, "Envoy's listener")
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="cachepilot-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
