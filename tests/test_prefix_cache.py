@@ -8,8 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachepilot.core.fingerprint import BlockConfig, HFTokens, fingerprint
-from cachepilot.core.prefix_cache import Fingerprinter, common_prefix
+from cachepilot.core.fingerprint import (
+    BlockConfig,
+    HFTokens,
+    fingerprint,
+    vllm_block_hashes,
+    vllm_none_hash,
+)
+from cachepilot.core.prefix_cache import ChainCache, Fingerprinter, SplicingEncoder, common_prefix
 
 WORDS = ["the", "cache", "prefix", "model", "token", "router", "gateway", "engine", "block",
          "hash", "of", "and", "to", "in", "é", "日本", "\n", "  "]
@@ -56,47 +62,70 @@ def test_byte_blocks_equal_the_whole_prompts(prompts) -> None:
     assert fpr("other", cfg, text=prompt) == fingerprint("other", cfg, text=prompt)
 
 
-@pytest.mark.parametrize("seed", [None, "0"])
-def test_spliced_tokens_and_digests_equal_the_whole_prompts(gemma_like: HFTokens,
-                                                            seed: str | None) -> None:
+def histories(seed: int, n: int = 25):  # type: ignore[no-untyped-def]
     """Agent-history and shared-document traffic: each prompt extends or forks an earlier
-    one at any character; every fingerprint is the whole prompt's."""
-    rng = random.Random(1)
-    fpr = Fingerprinter(gemma_like, verify_every=1)  # every splice also checked whole
-    cfg = BlockConfig(16, vllm_seed=seed)
+    one at any character."""
+    rng = random.Random(seed)
     history = text(rng, 600)
-    for _ in range(25):
+    for _ in range(n):
         if rng.random() < 0.5:
             history += text(rng, rng.randrange(1, 40))  # the conversation grows
-        prompt = history[:rng.randrange(len(history) // 2, len(history))] + text(rng, 5)
-        got = fpr("m", cfg, text=prompt)
-        assert got == fingerprint("m", cfg, text=prompt, tokenizer=gemma_like)
-    assert fpr.splicing and fpr.counts["spliced"] > 10
+        yield history[:rng.randrange(len(history) // 2, len(history))] + text(rng, 5)
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_spliced_tokens_equal_the_whole_texts(gemma_like: HFTokens, special: bool) -> None:
+    enc = SplicingEncoder(gemma_like, verify_every=1)  # every splice also checked whole
+    for prompt in histories(1):
+        assert enc(prompt, special) == gemma_like.tok.encode(
+            prompt, add_special_tokens=special).ids
+    assert enc.splicing and enc.counts["spliced"] > 10
+
+
+def test_token_blocks_equal_the_whole_prompts(gemma_like: HFTokens) -> None:
+    plain = HFTokens(gemma_like.tok, special=False)
+    fpr = Fingerprinter(plain, min_bytes=1024)
+    cfg = BlockConfig(16)
+    for prompt in histories(3):
+        assert fpr("m", cfg, text=prompt) == fingerprint("m", cfg, text=prompt, tokenizer=plain)
+    assert fpr.encoder is not None and fpr.encoder.counts["spliced"] > 10
+
+
+@pytest.mark.parametrize("lora,salt", [(None, None), (("ad", "/p/ad"), None), (None, "s1"),
+                                       (("ad", "/p/ad"), "s2")])
+def test_vllm_digests_reused_equal_the_whole_chain(lora, salt) -> None:
+    rng = random.Random(4)
+    cache = ChainCache(min_units=64)
+    none_hash = vllm_none_hash("0")
+    doc = [rng.randrange(262_144) for _ in range(900)]
+    for i in range(12):
+        ids = doc[:rng.randrange(100, 900)] + [rng.randrange(262_144) for _ in range(i)]
+        assert cache.vllm_hashes(ids, 16, none_hash, lora=lora, cache_salt=salt) == \
+            vllm_block_hashes(ids, 16, none_hash, lora=lora, cache_salt=salt)
+    assert cache.counts["reused_blocks"] > 0
 
 
 def test_a_splice_that_differs_switches_splicing_off(gemma_like: HFTokens, monkeypatch) -> None:
     rng = random.Random(2)
-    fpr = Fingerprinter(gemma_like)
-    cfg = BlockConfig(16, vllm_seed="0")
+    enc = SplicingEncoder(gemma_like)
     doc = text(rng, 600)
-    fpr("m", cfg, text=doc + " first")
+    enc(doc + " first", True)
 
     def lying(*args: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids, starts, ends = gemma_like.spans(doc + " second")
         return ids + 1, starts, ends
 
-    monkeypatch.setattr(fpr, "_splice", lying)
-    got = fpr("m", cfg, text=doc + " second")
-    assert got == fingerprint("m", cfg, text=doc + " second", tokenizer=gemma_like)
-    assert not fpr.splicing
+    monkeypatch.setattr(enc, "_splice", lying)
+    assert enc(doc + " second", True) == gemma_like(doc + " second")
+    assert not enc.splicing
 
 
 def test_memory_is_bounded() -> None:
-    fpr = Fingerprinter(min_bytes=1024, entries=3)
+    cache = ChainCache(min_units=1024, entries=3)
     for i in range(10):
-        fpr("m", BlockConfig(), text=f"{i:04d}" + "x" * 5000)
-    assert len(fpr._entries) == 3
-    small = Fingerprinter(min_bytes=1024, max_bytes=12_000)
+        cache.byte_hashes(f"{i:04d}".encode() * 2000, 64, 0)
+    assert len(cache._lru.entries) == 3
+    small = ChainCache(min_units=1024, max_bytes=20_000)
     for i in range(10):
-        small("m", BlockConfig(), text=f"{i:04d}" + "x" * 5000)
-    assert len(small._entries) == 1
+        small.byte_hashes(f"{i:04d}".encode() * 2000, 64, 0)
+    assert len(small._lru.entries) == 1

@@ -73,6 +73,11 @@ class _WorkerBlocks:
     # The chain the last insert touched, while nothing else has changed ``lru`` since: the
     # same chain again (one prompt sent over and over) needs no move at all.
     last_chain: Sequence[int] | None = None
+    # Engine restarts (see PrefixDirectory.restarted): how many the scrape found (the event
+    # stream watches it), and when the batch 0 the event set starts from was stamped (the
+    # engine's clock; None: the set does not start at a publisher's batch 0).
+    epoch: int = 0
+    events_since: float | None = None
 
     def held(self) -> Iterable[int]:
         return self.refs if self.slots is not None else self.lru
@@ -163,16 +168,18 @@ class PrefixDirectory:
         return worker in self._workers
 
     # -- data ---------------------------------------------------------------------------------
-    def insert(self, worker: str, hashes: Sequence[int]) -> None:
+    def insert(self, worker: str, hashes: Sequence[int], *, learned_only: bool = False) -> None:
         """Record that ``worker`` now holds these blocks (a prompt's chain, root first).
 
         Blocks are touched leaf-first so the root ends most recently used: a shared prefix
         outlives the unique tails hanging off it, as in vLLM's free-block queue.
+        ``learned_only``: the hashes are not the engine's (a request whose prompt could not
+        be reproduced exactly): never pending, since no event will ever name them.
         """
         wb = self._workers.get(worker)
         if wb is None:
             return
-        if wb.mode != APPROXIMATE:
+        if wb.mode != APPROXIMATE and not learned_only:
             self._add_pending(wb, hashes)
         if wb.slots is not None:
             self._insert_slot(wb, hashes)
@@ -275,28 +282,30 @@ class PrefixDirectory:
         _drop_bit(self._masks, h, bit)
 
     def match(self, hashes: Sequence[int], workers: Iterable[str], *,
-              chained: bool = False) -> dict[str, int]:
+              chained: bool = False, learned_only: bool = False) -> dict[str, int]:
         """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
-        mode: the event set, the routing-learned set, or both).
+        mode: the event set, the routing-learned set, or both). ``learned_only``: read the
+        routing-learned set whatever the mode (hashes that are not the engine's).
 
         ``chained``: every list this directory was given and ``hashes`` are chained block
         hashes (a block's hash names its whole prefix, as fingerprints do), so a worker
-        whose set is *prefix-closed* (:attr:`_WorkerBlocks.closed`: holding a block means
-        holding every block before it) is found by bisection, a few dozen lookups whatever
-        the prompt's length (:func:`_closed_depths`). The others, and every worker without
-        ``chained``, by a scan that stops where the last of them stops matching."""
+        read through its routing-learned set alone, that set being *prefix-closed*
+        (:attr:`_WorkerBlocks.closed`: holding a block means holding every block before it),
+        is found by bisection, a few dozen lookups whatever the prompt's length
+        (:func:`_closed_depths`). The others, and every worker without ``chained``, by a
+        scan that stops where the last of them stops matching."""
         wanted = {w: self._workers[w] for w in workers if w in self._workers}
         result = dict.fromkeys(wanted, 0)
         if not hashes:
             return result
         closed = learned = exact = 0  # bits read by bisection / the scan's two maps
         for wb in wanted.values():
-            if chained and wb.mode == APPROXIMATE and wb.closed:
+            if chained and wb.closed and (wb.mode == APPROXIMATE or learned_only):
                 closed |= wb.bit
                 continue
-            if wb.mode != EXACT:
+            if wb.mode != EXACT or learned_only:
                 learned |= wb.bit
-            if wb.mode != APPROXIMATE:
+            if wb.mode != APPROXIMATE and not learned_only:
                 exact |= wb.bit
         found = (_closed_depths(hashes, closed, self._masks) if closed else []) + (
             self._scan(hashes, learned, exact) if learned | exact else [])
@@ -395,6 +404,46 @@ class PrefixDirectory:
         if wb.slots is not None:
             wb.refs.clear()
             wb.slots = [()] * len(wb.slots)
+
+    # -- engine restarts ------------------------------------------------------------------------
+    def restarted(self, worker: str, process_start: float | None = None) -> None:
+        """A scrape found a new engine process behind ``worker`` (started at
+        ``process_start``, the engine's clock; None: counters went back): its cache is
+        empty, so both sets are emptied and the restart count (:meth:`epoch`) goes up, which
+        tells the event stream to expect the new publisher from its batch 0. Unless the
+        event stream already follows the new process from its first batch (an event came
+        before the scrape: its batch 0 is stamped after the process started, on the same
+        clock): then the event set is the new engine's truth and only the routing-learned
+        set, about the old process, is emptied."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        fresh = (wb.events_since is not None and process_start is not None
+                 and wb.events_since >= process_start)
+        if fresh:
+            for h in wb.held():
+                self._clear(h, wb.bit)
+            wb.lru.clear()
+            wb.closed, wb.last_chain = True, None
+            if wb.slots is not None:
+                wb.refs.clear()
+                wb.slots = [()] * len(wb.slots)
+            return
+        self.cleared(worker)
+        wb.epoch += 1
+        wb.events_since = None
+
+    def events_fresh(self, worker: str, since: float | None) -> None:
+        """The event set follows ``worker``'s publisher from its batch 0, stamped ``since``
+        (the engine's clock; None: unknown)."""
+        wb = self._workers.get(worker)
+        if wb is not None:
+            wb.events_since = since
+
+    def epoch(self, worker: str) -> int:
+        """How many engine restarts the scrape has found for ``worker``."""
+        wb = self._workers.get(worker)
+        return wb.epoch if wb is not None else 0
 
     def event_blocks(self, worker: str) -> frozenset[int]:
         wb = self._workers.get(worker)

@@ -50,6 +50,10 @@ class Fingerprint:
     hashes: tuple[int, ...]
     tokens: int
     block_size: int
+    # Set when the pool hashes as its engines do (exact) but this request could not be
+    # reproduced exactly (cachepilot.core.vllm_prompt.NotExact's reason): its hashes are the
+    # approximate scheme's, matched against the routing-learned directory only.
+    fallback: str | None = None
 
     @property
     def blocks(self) -> int:
@@ -185,7 +189,8 @@ def vllm_none_hash(seed: str = VLLM_DEFAULT_SEED) -> bytes:
     return sha256_cbor(seed)
 
 
-_none_hash = functools.lru_cache(maxsize=8)(vllm_none_hash)
+cached_none_hash = functools.lru_cache(maxsize=8)(vllm_none_hash)
+_none_hash = cached_none_hash
 
 
 def external_hash(digest: bytes) -> int:
@@ -194,20 +199,39 @@ def external_hash(digest: bytes) -> int:
 
 
 def vllm_block_hashes(token_ids: Sequence[int], block_size: int,
-                      none_hash: bytes, extra_keys: tuple[object, ...] | None = None,
+                      none_hash: bytes, extra_keys: tuple[object, ...] | None = None, *,
+                      lora: tuple[str, str] | None = None, cache_salt: str | None = None,
                       ) -> list[int]:
     """The event-form hashes of every *full* block of ``token_ids``, as vLLM computes them.
 
-    ``token_ids`` are the engine's prompt ids (BOS included: tokenised as vLLM does for
-    /v1/completions); ``none_hash`` is :func:`vllm_none_hash` of the engine's seed. The same
-    ``extra_keys`` go into every block (None without LoRA, multimodal inputs or cache_salt).
+    ``token_ids`` are the engine's prompt ids (:mod:`cachepilot.core.vllm_prompt`);
+    ``none_hash`` is :func:`vllm_none_hash` of the engine's seed. Each block's extra keys are
+    vLLM 0.32's ``generate_block_hash_extra_keys``: ``("lora", name, path)`` on every block of
+    a LoRA request, then ``("cache_salt", salt)`` on the first block only (it still changes
+    every later hash through the chain); None when a block has none. ``extra_keys``, if
+    given instead, goes into every block as it is (vectors of vLLM's ``hash_block_tokens``).
     """
-    return [external_hash(d) for d in
-            vllm_block_digests(token_ids, block_size, none_hash, extra_keys)]
+    first, rest = block_keys(extra_keys, lora, cache_salt)
+    digests = vllm_block_digests(token_ids[:block_size], block_size, none_hash, first)
+    if digests:
+        digests += vllm_block_digests(token_ids[block_size:], block_size, digests[0], rest)
+    return [external_hash(d) for d in digests]
+
+
+def block_keys(extra_keys: tuple[object, ...] | None, lora: tuple[str, str] | None,
+               cache_salt: str | None) -> tuple[object, object]:
+    """The extra keys of a chain's first block and of every later one (see
+    :func:`vllm_block_hashes`)."""
+    if lora is None and not cache_salt:
+        return extra_keys, extra_keys
+    lora_key = ("lora", *lora) if lora is not None else None
+    tagged = [lora_key] if lora_key is not None else []
+    first = (*tagged, ("cache_salt", cache_salt)) if cache_salt else tuple(tagged)
+    return first or None, tuple(tagged) or None
 
 
 def vllm_block_digests(token_ids: Sequence[int], block_size: int, parent: bytes,
-                       extra_keys: tuple[object, ...] | None = None) -> list[bytes]:
+                       extra_keys: object = None) -> list[bytes]:
     """The sha256_cbor digest of every full block of ``token_ids``, the first chained on
     ``parent`` (the none hash, or the digest of the block before when continuing a chain).
 
@@ -299,7 +323,7 @@ def cbor_token_segments(ids: np.ndarray, block_size: int, trailer: bytes) -> lis
 
 
 def _vllm_block_digests_cbor2(ids: list[int], block_size: int, parent: bytes,
-                              extra_keys: tuple[object, ...] | None) -> list[bytes]:
+                              extra_keys: object) -> list[bytes]:
     """The reference: cbor2 per block, as vLLM's own ``hash_block_tokens`` does."""
     out: list[bytes] = []
     for start in range(0, len(ids) - block_size + 1, block_size):

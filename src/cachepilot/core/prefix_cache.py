@@ -1,23 +1,28 @@
 """Fingerprints of long prompts that begin like a recent one: only the new part is hashed
-(and, with a tokenizer, tokenised).
+and, with a tokenizer, tokenised.
 
 Long prompts are long because they repeat: a document, a code base, an agent's history,
 then a short new tail. Hashing (~50 ns a 64-byte block) and above all tokenising (Gemma's
 tokenizer takes ~190 ms for 220 KB, the whole text being one BPE word) grow with the whole
-prompt although only the tail is new. A :class:`Fingerprinter` keeps the last long prompt
-per (model, block layout, first ``head_bytes``) and reuses what a new prompt shares with it:
+prompt although only the tail is new. Two caches keep the last long prompt per (scheme,
+first ``head`` bytes or ids) and reuse what a new prompt shares with it:
 
-* bytes (no tokenizer): the common byte prefix is found by numpy; its full blocks' hashes
-  are the cached ones exactly (a chained hash names its prefix); the rest is chained on.
-* tokens: the cached prompt's tokens are kept up to ``margin`` characters before the texts
-  differ; the text from ``overlap`` tokens before that cut is tokenised afresh, and the two
-  are spliced where the fresh tokens agree with the cached ones (the same ids at the same
-  offsets, ``agree`` tokens or more, up to the cut). BPE merges are local, so this is what
-  tokenising the whole text gives; a splice whose fresh tokens never agree tokenises the
-  whole text instead, and the first ``verify_first`` splices, then one in ``verify_every``,
-  are checked against the whole text, splicing being switched off for good (logged) if one
-  ever differs. Blocks whose tokens are the cached prompt's keep their cached hashes
-  (exact mode: the sha256_cbor digests, so only new blocks are hashed).
+* :class:`ChainCache`, block hashes: the common prefix of the units (bytes or token ids) is
+  found by numpy; its full blocks' hashes are the cached ones exactly (a chained hash names
+  its prefix) and the chain goes on from the last of them (for vLLM's hashes, from its
+  sha256_cbor digest).
+* :class:`SplicingEncoder`, tokens: the cached text's tokens are kept up to ``margin``
+  characters before the texts differ; the text from ``overlap`` tokens before that cut is
+  tokenised afresh, and the two are spliced where the fresh tokens agree with the cached
+  ones (the same ids at the same offsets, ``agree`` tokens or more, up to the cut). BPE
+  merges are local, so this is what tokenising the whole text gives; a splice whose fresh
+  tokens never agree tokenises the whole text instead, and the first ``verify_first``
+  splices, then one in ``verify_every``, are checked against the whole text, splicing being
+  switched off for good (logged) if one ever differs.
+
+:class:`Fingerprinter` puts them together for the approximate schemes (the exact one goes
+through :func:`cachepilot.core.vllm_prompt.engine_fingerprint`, which takes the chain cache;
+its encoder splices when it is a :class:`SplicingEncoder`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from xxhash import xxh3_64_intdigest
@@ -35,7 +41,7 @@ from cachepilot.core.fingerprint import (
     Fingerprint,
     HFTokens,
     Tokenizer,
-    _none_hash,
+    block_keys,
     chain_hashes,
     external_hash,
     fingerprint,
@@ -49,21 +55,6 @@ log = logging.getLogger("cachepilot.core")
 Spans = tuple[np.ndarray, np.ndarray, np.ndarray]  # token ids, start and end offsets
 
 
-@dataclass(slots=True)
-class _Entry:
-    raw: bytes
-    hashes: list[int]
-    ids: np.ndarray | None = None  # token mode: the prompt's tokens and their offsets
-    starts: np.ndarray | None = None
-    ends: np.ndarray | None = None
-    digests: list[bytes] | None = None  # exact mode: each block's sha256_cbor digest
-
-    @property
-    def size(self) -> int:
-        tokens = 0 if self.ids is None else 3 * self.ids.nbytes
-        return len(self.raw) + 48 * len(self.hashes) + tokens
-
-
 def common_prefix(a: bytes | np.ndarray, b: bytes | np.ndarray) -> int:
     """How many leading bytes (or array items) ``a`` and ``b`` share, compared by numpy."""
     x = np.frombuffer(a, np.uint8) if isinstance(a, bytes) else a
@@ -73,89 +64,152 @@ def common_prefix(a: bytes | np.ndarray, b: bytes | np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class Fingerprinter:
-    """:func:`~cachepilot.core.fingerprint.fingerprint` with a memory of recent long
-    prompts (see the module's docstring). One per router: not thread-safe."""
+class _Lru:
+    """A few recent entries by key, bounded in count and in bytes."""
 
-    def __init__(self, tokenizer: Tokenizer | None = None, *, min_bytes: int = 16384,
-                 min_token_bytes: int = 1024, head_bytes: int = 1024, entries: int = 32,
-                 max_bytes: int = 64 << 20, margin: int = 256, overlap: int = 32,
-                 agree: int = 8, verify_first: int = 8, verify_every: int = 1024) -> None:
-        self.tokenizer = tokenizer
-        # Below these a prompt is fingerprinted whole: cheaper than looking it up.
-        self.min_bytes = min_token_bytes if tokenizer is not None else min_bytes
-        self.head_bytes = head_bytes
-        self.max_entries, self.max_bytes = entries, max_bytes
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        self.entries: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self.max_entries, self.max_bytes, self.bytes = entries, max_bytes, 0
+
+    def get(self, key: Any) -> Any:
+        hit = self.entries.get(key)
+        return None if hit is None else hit[0]
+
+    def put(self, key: Any, value: Any, size: int) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        self.entries[key] = (value, size)
+        self.bytes += size
+        while self.entries and (len(self.entries) > self.max_entries
+                                or self.bytes > self.max_bytes):
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+
+
+@dataclass(slots=True)
+class _Chain:
+    units: bytes | np.ndarray  # what was hashed: bytes, or token ids
+    hashes: list[int]
+    digests: list[bytes] | None = None  # vLLM: each block's sha256_cbor digest
+
+
+class ChainCache:
+    """Block hashes that reuse a recent chain's common prefix (see the module's docstring).
+    Units shorter than ``min_units`` are hashed whole: cheaper than looking them up."""
+
+    def __init__(self, *, min_units: int = 4096, head: int = 256, entries: int = 32,
+                 max_bytes: int = 64 << 20) -> None:
+        self.min_units, self.head = min_units, head
+        self._lru = _Lru(entries, max_bytes)
+        self.counts: Counter[str] = Counter()
+
+    def _lookup(self, scheme: tuple[Any, ...], units: bytes | np.ndarray, block: int
+                ) -> tuple[Any, _Chain | None, int]:
+        head = units[:self.head]
+        key = (*scheme, xxh3_64_intdigest(head if isinstance(head, bytes) else head.tobytes()))
+        old = self._lru.get(key)
+        shared = 0 if old is None else min(common_prefix(units, old.units) // block,
+                                           len(old.hashes))
+        self.counts["reused_blocks"] += shared
+        self.counts["hits" if old is not None else "misses"] += 1
+        return key, old, shared
+
+    def _keep(self, key: Any, chain: _Chain) -> None:
+        size = len(chain.units) if isinstance(chain.units, bytes) else chain.units.nbytes
+        self._lru.put(key, chain, size + 48 * len(chain.hashes))
+
+    def byte_hashes(self, raw: bytes, block_bytes: int, seed: int) -> list[int]:
+        """:func:`chain_hashes` of ``raw``."""
+        if len(raw) < self.min_units:
+            return chain_hashes(raw, block_bytes, seed)
+        key, old, k = self._lookup(("bytes", block_bytes, seed), raw, block_bytes)
+        reuse = old.hashes[:k] if old is not None and k else []
+        hashes = reuse + chain_hashes(memoryview(raw)[k * block_bytes:], block_bytes,
+                                      reuse[-1] if reuse else seed)
+        self._keep(key, _Chain(raw, hashes))
+        return hashes
+
+    def token_hashes(self, ids: Sequence[int], block_size: int, seed: int) -> list[int]:
+        """The approximate scheme over token ids: xxh3 chained over their uint32 bytes."""
+        arr = np.asarray(ids, dtype=np.int64)
+        if len(arr) < self.min_units // 4:
+            return chain_hashes(token_bytes(ids), block_size * 4, seed)
+        key, old, k = self._lookup(("tokens", block_size, seed), arr, block_size)
+        reuse = old.hashes[:k] if old is not None and k else []
+        hashes = reuse + chain_hashes(token_bytes(arr[k * block_size:]), block_size * 4,
+                                      reuse[-1] if reuse else seed)
+        self._keep(key, _Chain(arr, hashes))
+        return hashes
+
+    def vllm_hashes(self, ids: Sequence[int], block_size: int, none_hash: bytes, *,
+                    lora: tuple[str, str] | None = None, cache_salt: str | None = None
+                    ) -> list[int]:
+        """:func:`~cachepilot.core.fingerprint.vllm_block_hashes`, reusing the digests."""
+        arr = np.asarray(ids)
+        first, rest = block_keys(None, lora, cache_salt)
+        if len(arr) < self.min_units // 4 or len(arr) < block_size or arr.dtype.kind not in "ui":
+            digests = vllm_block_digests(ids[:block_size], block_size, none_hash, first)
+            if digests:
+                digests += vllm_block_digests(ids[block_size:], block_size, digests[0], rest)
+            return [external_hash(d) for d in digests]
+        key, old, k = self._lookup(("vllm", block_size, none_hash, lora, cache_salt), arr,
+                                   block_size)
+        if old is not None and k:
+            digests = old.digests[:k] + vllm_block_digests(  # type: ignore[index]
+                arr[k * block_size:], block_size, old.digests[k - 1], rest)  # type: ignore[index]
+            hashes = old.hashes[:k] + [external_hash(d) for d in digests[k:]]
+        else:
+            digests = vllm_block_digests(arr[:block_size], block_size, none_hash, first)
+            digests += vllm_block_digests(arr[block_size:], block_size, digests[0], rest)
+            hashes = [external_hash(d) for d in digests]
+        self._keep(key, _Chain(arr, hashes, digests))
+        return hashes
+
+
+@dataclass(slots=True)
+class _Tokens:
+    raw: bytes
+    ids: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+
+
+class SplicingEncoder:
+    """``encode(text, add_special_tokens) -> ids`` that splices a recent text's tokens onto
+    a fresh tokenisation of what is new (see the module's docstring). Not thread-safe."""
+
+    def __init__(self, tok: HFTokens, *, min_bytes: int = 1024, head: int = 1024,
+                 entries: int = 32, max_bytes: int = 64 << 20, margin: int = 256,
+                 overlap: int = 32, agree: int = 8, verify_first: int = 8,
+                 verify_every: int = 1024) -> None:
+        self.tok = tok
+        self.min_bytes, self.head = min_bytes, head
         self.margin, self.overlap, self.agree = margin, overlap, agree
         self.verify_first, self.verify_every = verify_first, verify_every
-        self.splicing = isinstance(tokenizer, HFTokens)
-        self.counts: Counter[str] = Counter()  # hits, misses, splices, fallbacks, …
-        self._entries: OrderedDict[tuple[object, ...], _Entry] = OrderedDict()
-        self._bytes = 0
+        self.splicing = True
+        self.counts: Counter[str] = Counter()
+        self._lru = _Lru(entries, max_bytes)
 
-    def __call__(self, model: str, config: BlockConfig, *, text: str = "",
-                 token_ids: Sequence[int] | None = None) -> Fingerprint:
-        raw = text.encode() if token_ids is None else b""
-        if len(raw) < self.min_bytes or (self.tokenizer is not None and not self.splicing):
-            return fingerprint(model, config, text=text, token_ids=token_ids,
-                               tokenizer=self.tokenizer)
-        key = (model, config, xxh3_64_intdigest(raw[:self.head_bytes]))
-        old = self._entries.get(key)
-        self.counts["hits" if old is not None else "misses"] += 1
-        if self.tokenizer is None:
-            entry = self._by_bytes(raw, config, model_seed(model), old)
-            fp = Fingerprint(tuple(entry.hashes), max(1, round(len(raw) / config.chars_per_token)),
-                             config.block_size)
-        else:
-            entry = self._by_tokens(text, raw, config, model_seed(model), old)
-            assert entry.ids is not None
-            fp = Fingerprint(tuple(entry.hashes), len(entry.ids), config.block_size)
-        self._keep(key, entry, old)
-        return fp
+    def __call__(self, text: str, add_special_tokens: bool) -> list[int]:
+        raw = text.encode()
+        if len(raw) < self.min_bytes or not self.splicing:
+            return self.tok.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        key = (add_special_tokens, xxh3_64_intdigest(raw[:self.head]))
+        old = self._lru.get(key)
+        spans = self._spans(text, raw, old, add_special_tokens)
+        self._lru.put(key, _Tokens(raw, *spans), len(raw) + 3 * spans[0].nbytes)
+        return spans[0].tolist()
 
-    # -- bytes ---------------------------------------------------------------------------------
-    @staticmethod
-    def _by_bytes(raw: bytes, config: BlockConfig, seed: int, old: _Entry | None) -> _Entry:
-        bb = config.block_bytes
-        k = 0 if old is None else min(common_prefix(raw, old.raw) // bb, len(old.hashes))
-        start = old.hashes[k - 1] if k and old is not None else seed
-        hashes = (old.hashes[:k] if k and old is not None else []) + chain_hashes(
-            memoryview(raw)[k * bb:], bb, start)
-        return _Entry(raw, hashes)
-
-    # -- tokens --------------------------------------------------------------------------------
-    def _by_tokens(self, text: str, raw: bytes, config: BlockConfig, seed: int,
-                   old: _Entry | None) -> _Entry:
-        ids, starts, ends = self._spans(text, raw, old)
-        bs = config.block_size
-        shared = 0
-        if old is not None and old.ids is not None:
-            shared = common_prefix(ids, old.ids) // bs
-            shared = min(shared, len(old.hashes))
-        reuse = old.hashes[:shared] if old is not None and shared else []
-        digests = None
-        if config.vllm_seed is not None:
-            old_digests = (old.digests or []) if old is not None else []
-            shared = min(shared, len(old_digests))
-            parent = old_digests[shared - 1] if shared else _none_hash(config.vllm_seed)
-            digests = old_digests[:shared] + vllm_block_digests(ids[shared * bs:], bs, parent)
-            hashes = reuse[:shared] + [external_hash(d) for d in digests[shared:]]
-        else:
-            start = reuse[-1] if shared else seed
-            hashes = reuse + chain_hashes(token_bytes(ids[shared * bs:]), bs * 4, start)
-        return _Entry(raw, hashes, ids, starts, ends, digests)
-
-    def _spans(self, text: str, raw: bytes, old: _Entry | None) -> Spans:
-        tok = self.tokenizer
-        assert isinstance(tok, HFTokens)
-        spliced = None if old is None or old.ids is None else self._splice(text, raw, old, tok)
+    def _spans(self, text: str, raw: bytes, old: _Tokens | None, special: bool) -> Spans:
+        spliced = None if old is None else self._splice(text, raw, old)
         if spliced is None:
             self.counts["whole"] += 1
-            return tok.spans(text)
+            return self.tok.spans(text, special=special)
         self.counts["spliced"] += 1
         n = self.counts["spliced"]
         if n <= self.verify_first or n % self.verify_every == 0:
-            whole = tok.spans(text)
+            whole = self.tok.spans(text, special=special)
             self.counts["verified"] += 1
             if not all(np.array_equal(a, b) for a, b in zip(whole, spliced, strict=True)):
                 log.warning("a spliced tokenisation differed from the whole text's; "
@@ -164,18 +218,16 @@ class Fingerprinter:
                 return whole
         return spliced
 
-    def _splice(self, text: str, raw: bytes, old: _Entry, tok: HFTokens) -> Spans | None:
+    def _splice(self, text: str, raw: bytes, old: _Tokens) -> Spans | None:
         """The cached tokens up to the cut, then the fresh ones; None when they never agree
         (or the shared prefix is too short to be worth it)."""
-        assert old.ids is not None and old.starts is not None and old.ends is not None
-        shared_bytes = common_prefix(raw, old.raw)
-        shared_chars = len(raw[:shared_bytes].decode("utf-8", "ignore"))
+        shared_chars = len(raw[:common_prefix(raw, old.raw)].decode("utf-8", "ignore"))
         k = int(np.searchsorted(old.ends, shared_chars - self.margin, side="right")) - 1
         s = k - self.overlap
         if s < 1 or old.ends[s - 1] <= 0:
             return None
         cut = int(old.ends[s - 1])  # where the fresh text starts (a token's end: no gap)
-        f_ids, f_starts, f_ends = tok.spans(text[cut:], special=False)
+        f_ids, f_starts, f_ends = self.tok.spans(text[cut:], special=False)
         f_starts, f_ends = f_starts + cut, f_ends + cut
         for s2 in range(s, k - self.agree + 2):
             f = int(np.searchsorted(f_starts, old.starts[s2]))
@@ -192,14 +244,29 @@ class Fingerprinter:
         self.counts["no_agreement"] += 1
         return None
 
-    # -- memory --------------------------------------------------------------------------------
-    def _keep(self, key: tuple[object, ...], entry: _Entry, old: _Entry | None) -> None:
-        if old is not None:
-            self._bytes -= old.size
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        self._bytes += entry.size
-        while self._entries and (len(self._entries) > self.max_entries
-                                 or self._bytes > self.max_bytes):
-            _, dropped = self._entries.popitem(last=False)
-            self._bytes -= dropped.size
+
+class Fingerprinter:
+    """:func:`~cachepilot.core.fingerprint.fingerprint` for the approximate schemes, with
+    the caches above. One per router: not thread-safe."""
+
+    def __init__(self, tokenizer: Tokenizer | None = None, *, min_bytes: int = 16384) -> None:
+        self.chains = ChainCache(min_units=min_bytes)
+        self.encoder = SplicingEncoder(tokenizer) if isinstance(tokenizer, HFTokens) else None
+        self.tokenizer = tokenizer
+
+    def __call__(self, model: str, config: BlockConfig, *, text: str = "",
+                 token_ids: Sequence[int] | None = None) -> Fingerprint:
+        if config.vllm_seed is not None:  # the exact scheme (engine_fingerprint's business)
+            return fingerprint(model, config, text=text, token_ids=token_ids,
+                               tokenizer=self.tokenizer)
+        seed = model_seed(model)
+        if token_ids is None and self.tokenizer is not None:
+            token_ids = (self.encoder(text, self.tokenizer.special)  # type: ignore[union-attr]
+                         if self.encoder is not None else self.tokenizer(text))
+        if token_ids is not None:
+            hashes = self.chains.token_hashes(token_ids, config.block_size, seed)
+            return Fingerprint(tuple(hashes), len(token_ids), config.block_size)
+        raw = text.encode()
+        hashes = self.chains.byte_hashes(raw, config.block_bytes, seed)
+        tokens = max(1, round(len(raw) / config.chars_per_token)) if raw else 0
+        return Fingerprint(tuple(hashes), tokens, config.block_size)
