@@ -73,6 +73,13 @@ class Router:
         long prompt shares with a recent one (:class:`Fingerprinter`)."""
         if isinstance(req.fingerprint, Fingerprint):
             return req.fingerprint
+        try:
+            return self._fingerprint(req, pool)
+        except (ValueError, OverflowError, TypeError):  # e.g. token ids out of range
+            # Not hashable as its engine would (the engine will say why): routed by load.
+            return Fingerprint((), 0, pool.spec.block.block_size, fallback="unhashable")
+
+    def _fingerprint(self, req: InferenceRequest, pool: Pool) -> Fingerprint:
         block = pool.spec.block
         if block.vllm_seed is not None:  # exact where the engine's prompt is reproduced
             prompts = pool.prompts if pool.own_prompts else pool.prompts or self.prompts
