@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from cachepilot.core.chain_lru import ChainLRU
 from cachepilot.core.popularity import BlockPopularity
 
 Mode = Literal["exact", "degraded", "approximate"]
@@ -51,7 +52,7 @@ MODES: tuple[Mode, ...] = (EXACT, DEGRADED, APPROXIMATE)
 class _WorkerBlocks:
     bit: int
     capacity: int
-    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest first
+    lru: ChainLRU = field(default_factory=ChainLRU)  # the routing-learned set, in LRU order
     evictions: int = 0
     # Slot mode: each slot's prompt chain, least recently used slot first, and how many
     # slots' chains hold each block (``lru`` is then unused).
@@ -80,7 +81,7 @@ class _WorkerBlocks:
     events_since: float | None = None
 
     def held(self) -> Iterable[int]:
-        return self.refs if self.slots is not None else self.lru
+        return self.refs if self.slots is not None else self.lru.held()
 
 
 class PrefixDirectory:
@@ -144,7 +145,7 @@ class PrefixDirectory:
         self._set_slots_total(self._slots_total - len(wb.slots or ()) + slots)
         kept = list(wb.slots or [])[-slots:]
         if wb.slots is None and wb.lru:  # from LRU mode: the most recent blocks, one chain
-            kept = [tuple(reversed(list(wb.lru)))[:slot_blocks]]
+            kept = [tuple(wb.lru.most_recent(slot_blocks))]
         for h in wb.held():
             self._clear(h, wb.bit)
         wb.lru.clear()
@@ -189,29 +190,24 @@ class PrefixDirectory:
         if last is not None and len(last) == len(hashes) and last[-1:] == hashes[-1:] \
                 and tuple(last) == tuple(hashes):
             return  # the same chain again, still the most recent: nothing moves
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                masks[h] = masks.get(h, 0) | bit
+        for h in lru.touch(hashes):
+            masks[h] = masks.get(h, 0) | bit
         self._evict(wb)
         wb.last_chain = hashes if len(hashes) <= wb.capacity else None
 
     def _evict(self, wb: _WorkerBlocks) -> None:
-        lru, masks, keep = wb.lru, self._masks, ~wb.bit
-        excess = len(lru) - wb.capacity
-        if excess > 0:
-            wb.last_chain = None
-        for _ in range(excess):  # the hot loop of a full directory: _clear inlined
-            h, _ = lru.popitem(last=False)
+        excess = len(wb.lru) - wb.capacity
+        if excess <= 0:
+            return
+        wb.last_chain = None
+        masks, keep = self._masks, ~wb.bit
+        for h in wb.lru.evict(excess):  # the hot loop of a full directory: _clear inlined
             mask = masks[h] & keep
             if mask:
                 masks[h] = mask
             else:
                 del masks[h]
-        if excess > 0:
-            wb.evictions += excess
+        wb.evictions += excess
 
     # The similarity a slot's prompt needs to be reused (llama-server's
     # --slot-prompt-similarity default): below it, the least recently used slot is taken.
@@ -385,8 +381,7 @@ class PrefixDirectory:
                 self._clear_event(h, bit)
             elif was_pending:  # routed, never announced, now evicted: not held either way
                 self._clear_event(h, bit)
-            if wb.slots is None and h in wb.lru:
-                del wb.lru[h]
+            if wb.slots is None and wb.lru.discard(h):
                 self._clear(h, bit)
                 wb.last_chain = None
                 wb.closed = False  # its descendants may still be held

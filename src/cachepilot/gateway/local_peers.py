@@ -52,8 +52,7 @@ def encode(kind: int, events: list[SyncEvent]) -> bytes:
             hashes.append(e.hashes)
         meta.append(d)
     body = orjson.dumps(meta)
-    blob = (np.fromiter((h for hs in hashes for h in hs), dtype=np.uint64).tobytes()
-            if hashes else b"")
+    blob = b"".join(np.array(hs, dtype=np.uint64).tobytes() for hs in hashes)
     return _HEAD.pack(1 + 4 + len(body) + len(blob), kind, len(body)) + body + blob
 
 
@@ -72,12 +71,18 @@ def decode(payload: bytes) -> tuple[int, list[SyncEvent]]:
     for d in meta:
         if not isinstance(d, dict):
             raise ValueError("not a sync event")
-        if d.get("kind") == "placed":
-            k = int(d.get("hashes", 0))
-            if at + k > len(blob):
-                raise ValueError("placement hashes missing")
-            d = {**d, "hashes": blob[at:at + k].tolist()}
+        if d.get("kind") == "placed":  # built here: its hashes are ints already
+            try:
+                k = int(d["hashes"])
+                if at + k > len(blob):
+                    raise ValueError("placement hashes missing")
+                out.append(Placed(str(d["replica"]), str(d["id"]), str(d["pool"]),
+                                  str(d["worker"]), tuple(blob[at:at + k].tolist()),
+                                  int(d["uncached_tokens"])))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"not a sync event: {exc!r}") from None
             at += k
+            continue
         out.append(event_from_dict(d))
     return kind, out
 
