@@ -472,3 +472,30 @@ def test_the_gateway_can_mount_the_workers_tokenizer(chart: helm.Chart) -> None:
                                     "--vllm-hash-seed=0"]
     with pytest.raises(helm.HelmError):
         chart.validate_schema({"gateway": {"extraVolumeMounts": [{"name": "x"}]}})
+
+
+def test_processes_per_pod_get_envoy_config_for_them(chart: helm.Chart, tmp_path: Path) -> None:
+    """gateway.processes: 2 runs `cachepilot gateway --processes=2`, and an init container
+    writes Envoy's config for two processes with the generator's own options (the chart's
+    ports), which the Envoy container then reads instead of the ConfigMap."""
+    from click.testing import CliRunner
+
+    from cachepilot.cli.gateway import envoy_config_cmd
+    from cachepilot.deploy.envoy import render as render_envoy
+
+    objs = render(chart, {"gateway": {"processes": 2}})
+    pod = objs["Deployment/cp-cachepilot"]["spec"]["template"]["spec"]
+    c = containers(objs)
+    assert "--processes=2" in c["gateway"]["args"]
+    init = pod["initContainers"][0]
+    assert init["command"] == ["cachepilot"] and init["args"][0] == "envoy-config"
+    volume = next(v for v in pod["volumes"] if v["name"] == "envoy-config")
+    assert "emptyDir" in volume and "configMap" not in volume
+    out = tmp_path / "envoy.yaml"
+    args = [a if not a.startswith("--output=") else f"--output={out}" for a in init["args"][1:]]
+    result = CliRunner().invoke(envoy_config_cmd, args)
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == render_envoy(generate.chart_envoy_options(ext_proc_processes=2))
+    assert "--processes=2" not in containers(render(chart))["gateway"]["args"]
+    assert "initContainers" not in render(chart)["Deployment/cp-cachepilot"]["spec"][
+        "template"]["spec"]

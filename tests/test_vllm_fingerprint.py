@@ -6,11 +6,16 @@ src/cachepilot/tooling/vllm/vectors.py in the vLLM venv)."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachepilot.core.fingerprint import (
     VLLM_DEFAULT_SEED,
+    _vllm_block_digests_cbor2,
     external_hash,
+    vllm_block_digests,
     vllm_block_hashes,
     vllm_none_hash,
 )
@@ -56,3 +61,24 @@ def test_block_config_with_a_vllm_seed_fingerprints_as_vllm() -> None:
     assert list(fp.hashes) == case["hashes"] and fp.tokens == len(case["token_ids"])
     plain = fingerprint("any-model", BlockConfig(32), token_ids=case["token_ids"])
     assert plain.hashes != fp.hashes  # without the seed: the xxh3 scheme, unchanged
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 300), st.integers(0, 70_000),
+                          st.integers(0, (1 << 64) - 1)), max_size=120),
+       st.sampled_from([1, 2, 16, 23, 24, 25, 32]),
+       st.sampled_from([None, ("salt",), (1, "lora", b"x")]))
+def test_vectorised_cbor_chain_equals_cbor2_per_block(ids, block_size, extra) -> None:
+    """The numpy encoder and the C-looped chain give cbor2's bytes, hence vLLM's hashes,
+    for ids of every CBOR width (1, 2, 3, 5 and 9 bytes) and array heads of 1 and 2 bytes."""
+    none_hash = vllm_none_hash("0")
+    expect = _vllm_block_digests_cbor2(ids, block_size, none_hash, extra)
+    assert vllm_block_digests(ids, block_size, none_hash, extra) == expect
+    assert vllm_block_digests(np.asarray(ids, dtype=np.uint64), block_size, none_hash,
+                              extra) == expect
+
+
+def test_a_chain_continues_from_any_block() -> None:
+    ids = list(range(1000, 1000 + 160))
+    whole = vllm_block_digests(ids, 16, vllm_none_hash("0"))
+    assert vllm_block_digests(ids[64:], 16, whole[3]) == whole[4:]

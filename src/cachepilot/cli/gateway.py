@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -131,6 +132,11 @@ def routing_options(f):  # type: ignore[no-untyped-def]
                    "over this NATS server.")
 @click.option("--replica-id", default="", help="This replica's name on the bus "
               "(default: host and pid).")
+@click.option("--processes", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Gateway processes routing as one (a node's cores add up): all serve "
+                   "ext_proc on --listen's port (shared), process i also on that port + 1 + i "
+                   "and its admin API on --admin-port + i; they share state over local "
+                   "sockets (or --replica-bus). Envoy: envoy-config --ext-proc-processes N.")
 @click.option("--replica-subject", default="cachepilot.sync", show_default=True,
               help="NATS subject of this deployment's replicas (one per deployment sharing "
                    "a NATS server).")
@@ -146,10 +152,12 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str,
                 chat_template: str | None, chat_template_content_format: str,
-                lora_modules: tuple[str, ...], served_names: tuple[str, ...]) -> None:
+                lora_modules: tuple[str, ...], served_names: tuple[str, ...],
+                processes: int) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.director import GatewayOptions
+    from cachepilot.gateway.processes import child_argv, current_slot, id_prefix, supervise
     from cachepilot.gateway.server import Gateway, GatewayConfig, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -165,14 +173,25 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     if vllm_hash_seed is not None and not tokenizer:
         raise click.UsageError("--vllm-hash-seed needs --tokenizer (the workers' tokenizer.json)")
     listen_host, listen_port = host_port(listen, "--listen")
+    slot = current_slot(processes)
     try:  # on loopback we can tell now; elsewhere the bind itself fails (a spare's ports
-        # belong to the gateway it stands in for)
-        if listen_host in ("127.0.0.1", "localhost") and not standby:
-            check_port_free(listen_port, "--listen")
-        if admin_host in ("127.0.0.1", "localhost") and not standby:
-            check_port_free(admin_port, "--admin-port")
+        # belong to the gateway it stands in for; a process's, to its siblings)
+        for i in range(processes + (processes > 1) if slot is None else 0):
+            if listen_host in ("127.0.0.1", "localhost") and not standby:
+                check_port_free(listen_port + i if listen_port else 0, "--listen")
+            if admin_host in ("127.0.0.1", "localhost") and not standby:
+                check_port_free(admin_port + i if admin_port else 0, "--admin-port")
     except PortInUseError as exc:
         raise click.ClickException(str(exc)) from None
+    if processes > 1 and slot is None:  # the supervisor (a spare: once it is needed)
+        if standby and not sys.stdin.readline():
+            return
+        raise SystemExit(supervise(child_argv(), processes))
+    extra_listen: tuple[str, ...] = ()
+    if slot is not None:  # the shared port (SO_REUSEPORT), and this process's own
+        if listen_port:
+            extra_listen = (f"{listen.rpartition(':')[0]}:{slot.own_port(listen_port)}",)
+        admin_port, decision_log = slot.admin_port(admin_port), slot.decision_log(decision_log)
     exact_only = {"--chat-template": chat_template, "--lora-module": lora_modules,
                   "--served-model-name": served_names}
     for flag, value in exact_only.items():
@@ -180,11 +199,12 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
             raise click.UsageError(f"{flag} goes with --vllm-hash-seed (exact vLLM hashing)")
     tok, prompts = _prompt_path(tokenizer, vllm_hash_seed, chat_template,
                                 chat_template_content_format, lora_modules, served_names)
-    router = Router(tokenizer=tok, prompts=prompts) if kubernetes else static_router(
-        addrs, policy=policy, weights=parse_weights(weights), models=models,
-        block=BlockConfig(block_size, chars_per_token, vllm_seed=vllm_hash_seed),
-        capacity_blocks=capacity_blocks,
-        engine=engine, tokenizer=tok, prompts=prompts, cost=parse_cost(cost))
+    ids = None if slot is None else id_prefix(slot.index)
+    router = Router(tokenizer=tok, prompts=prompts, id_prefix=ids) if kubernetes else \
+        static_router(addrs, policy=policy, weights=parse_weights(weights), models=models,
+                      block=BlockConfig(block_size, chars_per_token, vllm_seed=vllm_hash_seed),
+                      capacity_blocks=capacity_blocks, engine=engine, tokenizer=tok,
+                      prompts=prompts, cost=parse_cost(cost), id_prefix=ids)
     kv_endpoints = None if kv_events_port is None else port_endpoints(
         kv_events_port, kv_events_port + 1, kv_events_topic)
     kv_sources = None
@@ -198,7 +218,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            decision_log=decision_log, calibrate=calibrate,
                            stall_after_s=stall_after, replica_bus=replica_bus,
                            replica_id=replica_id, replica_subject=replica_subject,
-                           kv_endpoints=kv_endpoints,
+                           kv_endpoints=kv_endpoints, process=slot,
+                           extra_listen=extra_listen,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
                                                   observe_responses=observe_responses,
@@ -208,7 +229,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         click.echo(f"cachepilot gateway ready: ext_proc :{gw.grpc_port}, "
                    f"admin http://{admin_host}:{gw.admin_port}", err=True)
 
-    if standby and not sys.stdin.readline():
+    if standby and slot is None and not sys.stdin.readline():
         return  # the supervisor stopped without needing this spare
     gateway = Gateway(router, config)
 
@@ -264,12 +285,18 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
 @click.option("--listen-address", default="0.0.0.0", show_default=True)
 @click.option("--admin-port", type=int, default=9901, show_default=True)
 @click.option("--ext-proc", default="127.0.0.1:9002", show_default=True, help="host:port")
+@click.option("--ext-proc-processes", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="The gateway runs --processes N: routing streams go to the processes' own "
+                   "ports (--ext-proc's + 1 … + N); each request is observed by the process "
+                   "that routed it.")
 @click.option("--fail-open/--fail-closed", default=False, show_default=True)
 @click.option("--fallback", default="", help="host:port,… for fail-open (round robin).")
 @click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
               help="Stream response bodies through the gateway (measured TTFT, cached tokens).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml")
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the bootstrap here instead of stdout (an init container's).")
 @click.option("--epp", is_flag=True,
               help="Envoy in front of an endpoint picker (any EPP, CachePilot's with "
                    "--protocol epp or auto) as the Gateway API Inference Extension's reference "
@@ -281,9 +308,10 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
               help="With --epp: a request header x-gateway-destination-endpoint-subset becomes "
                    "the subset hint (tests; a client can then restrict the endpoints).")
 def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext_proc: str,
+                     ext_proc_processes: int,
                      fail_open: bool, fallback: str, observe_responses: bool,
                      max_body_bytes: int, fmt: str, epp: bool, workers: str,
-                     subset_from_header: bool) -> None:
+                     subset_from_header: bool, output: str | None) -> None:
     """Print Envoy's bootstrap for CachePilot."""
     from cachepilot.deploy.envoy import EnvoyOptions, EppEnvoyOptions, render
 
@@ -304,14 +332,22 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                                     subset_from_header=subset_from_header)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
-        sys.stdout.write(render(eopts, fmt))
+        _emit(render(eopts, fmt), output)
         return
     try:
         opts = EnvoyOptions(listen_address=listen_address, listen_port=listen_port,
                             admin_port=admin_port, ext_proc_host=host, ext_proc_port=port,
                             fail_open=fail_open,
                             fallback_workers=tuple(x for x in fallback.split(",") if x),
-                            observe_responses=observe_responses, max_body_bytes=max_body_bytes)
+                            observe_responses=observe_responses, max_body_bytes=max_body_bytes,
+                            ext_proc_processes=ext_proc_processes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    sys.stdout.write(render(opts, fmt))
+    _emit(render(opts, fmt), output)
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        Path(output).write_text(text)

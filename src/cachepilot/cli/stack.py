@@ -38,12 +38,14 @@ from cachepilot.tooling.stack import LocalStack, PortInUseError, StackConfig, ch
 @click.option("--replicas", type=click.IntRange(1), default=1, show_default=True,
               help="Gateway replicas behind Envoy (sim); more than one share placements and "
                    "in-flight requests over a local NATS server.")
+@click.option("--processes", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="(sim) One gateway of N processes routing as one (gateway --processes).")
 @click.option("--kv-events", is_flag=True,
               help="(sim) The workers publish KV-cache events as vLLM does, each on its own "
                    "loopback address; the gateway's directory follows them (exact mode).")
 def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: str | None,
            speed: float, fail_open: bool, first_byte_timeout: float, max_restarts: int,
-           decision_log: str | None, replicas: int, kv_events: bool) -> None:
+           decision_log: str | None, replicas: int, kv_events: bool, processes: int) -> None:
     """Run Envoy + gateway + workers until interrupted (Ctrl-C or SIGTERM). A component that
     exits is restarted with backoff; one that keeps dying stops the stack (exit 1)."""
     try:
@@ -63,7 +65,8 @@ def up_cmd(engine: str, workers: int | None, port: int, policy: str, weights: st
                                    weights=weights, speed=speed, fail_open=fail_open,
                                    first_byte_timeout_s=first_byte_timeout,
                                    decision_log=decision_log, gateway_spare=True,
-                                   replicas=replicas, kv_events=kv_events))
+                                   replicas=replicas, kv_events=kv_events,
+                                   processes=processes))
     _serve(stack.start, stack.stop, lambda: stack.log_dir, lambda: [
         f"CachePilot is up: {stack.url}/v1  (model {stack.config.model})",
         f"  gateway admin: {stack.admin_url}/workers  metrics: {stack.admin_url}/metrics"

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from cachepilot.core.chain_lru import ChainLRU
 from cachepilot.core.popularity import BlockPopularity
 
 Mode = Literal["exact", "degraded", "approximate"]
@@ -51,7 +52,7 @@ MODES: tuple[Mode, ...] = (EXACT, DEGRADED, APPROXIMATE)
 class _WorkerBlocks:
     bit: int
     capacity: int
-    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest first
+    lru: ChainLRU = field(default_factory=ChainLRU)  # the routing-learned set, in LRU order
     evictions: int = 0
     # Slot mode: each slot's prompt chain, least recently used slot first, and how many
     # slots' chains hold each block (``lru`` is then unused).
@@ -65,6 +66,14 @@ class _WorkerBlocks:
     # hash → the generation it was routed in; aged out by :meth:`PrefixDirectory.age_pending`.
     pending: OrderedDict[int, int] = field(default_factory=OrderedDict)
     generation: int = 0
+    # The routing-learned set is prefix-closed: every insert adds a whole chain, and the
+    # LRU evicts a chain's blocks leaf first (a parent is touched after its children, so it
+    # is never older), so holding a block means holding its chain up to it. An engine's
+    # removal can punch a hole; from then on matches scan (until the set is emptied).
+    closed: bool = True
+    # The chain the last insert touched, while nothing else has changed ``lru`` since: the
+    # same chain again (one prompt sent over and over) needs no move at all.
+    last_chain: Sequence[int] | None = None
     # Engine restarts (see PrefixDirectory.restarted): how many the scrape found (the event
     # stream watches it), and when the batch 0 the event set starts from was stamped (the
     # engine's clock; None: the set does not start at a publisher's batch 0).
@@ -72,7 +81,7 @@ class _WorkerBlocks:
     events_since: float | None = None
 
     def held(self) -> Iterable[int]:
-        return self.refs if self.slots is not None else self.lru
+        return self.refs if self.slots is not None else self.lru.held()
 
 
 class PrefixDirectory:
@@ -136,11 +145,12 @@ class PrefixDirectory:
         self._set_slots_total(self._slots_total - len(wb.slots or ()) + slots)
         kept = list(wb.slots or [])[-slots:]
         if wb.slots is None and wb.lru:  # from LRU mode: the most recent blocks, one chain
-            kept = [tuple(reversed(list(wb.lru)))[:slot_blocks]]
+            kept = [tuple(wb.lru.most_recent(slot_blocks))]
         for h in wb.held():
             self._clear(h, wb.bit)
         wb.lru.clear()
         wb.refs.clear()
+        wb.last_chain = None
         wb.slots, wb.slot_blocks, wb.capacity = [], slot_blocks, slots * slot_blocks
         for chain in [()] * (slots - len(kept)) + kept:
             self._fill_slot(wb, tuple(chain[:slot_blocks]))
@@ -176,26 +186,28 @@ class PrefixDirectory:
             self._insert_slot(wb, hashes)
             return
         lru, masks, bit = wb.lru, self._masks, wb.bit
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                masks[h] = masks.get(h, 0) | bit
+        last = wb.last_chain
+        if last is not None and len(last) == len(hashes) and last[-1:] == hashes[-1:] \
+                and tuple(last) == tuple(hashes):
+            return  # the same chain again, still the most recent: nothing moves
+        for h in lru.touch(hashes):
+            masks[h] = masks.get(h, 0) | bit
         self._evict(wb)
+        wb.last_chain = hashes if len(hashes) <= wb.capacity else None
 
     def _evict(self, wb: _WorkerBlocks) -> None:
-        lru, masks, keep = wb.lru, self._masks, ~wb.bit
-        excess = len(lru) - wb.capacity
-        for _ in range(excess):  # the hot loop of a full directory: _clear inlined
-            h, _ = lru.popitem(last=False)
+        excess = len(wb.lru) - wb.capacity
+        if excess <= 0:
+            return
+        wb.last_chain = None
+        masks, keep = self._masks, ~wb.bit
+        for h in wb.lru.evict(excess):  # the hot loop of a full directory: _clear inlined
             mask = masks[h] & keep
             if mask:
                 masks[h] = mask
             else:
                 del masks[h]
-        if excess > 0:
-            wb.evictions += excess
+        wb.evictions += excess
 
     # The similarity a slot's prompt needs to be reused (llama-server's
     # --slot-prompt-similarity default): below it, the least recently used slot is taken.
@@ -266,20 +278,45 @@ class PrefixDirectory:
         _drop_bit(self._masks, h, bit)
 
     def match(self, hashes: Sequence[int], workers: Iterable[str], *,
-              learned_only: bool = False) -> dict[str, int]:
+              chained: bool = False, learned_only: bool = False) -> dict[str, int]:
         """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
         mode: the event set, the routing-learned set, or both). ``learned_only``: read the
-        routing-learned set whatever the mode (hashes that are not the engine's)."""
+        routing-learned set whatever the mode (hashes that are not the engine's).
+
+        ``chained``: every list this directory was given and ``hashes`` are chained block
+        hashes (a block's hash names its whole prefix, as fingerprints do), so a worker
+        read through its routing-learned set alone, that set being *prefix-closed*
+        (:attr:`_WorkerBlocks.closed`: holding a block means holding every block before it),
+        is found by bisection, a few dozen lookups whatever the prompt's length
+        (:func:`_closed_depths`). The others, and every worker without ``chained``, by a
+        scan that stops where the last of them stops matching."""
         wanted = {w: self._workers[w] for w in workers if w in self._workers}
         result = dict.fromkeys(wanted, 0)
-        learned = exact = 0  # bits reading the routing-learned / the event map
+        if not hashes:
+            return result
+        closed = learned = exact = 0  # bits read by bisection / the scan's two maps
         for wb in wanted.values():
+            if chained and wb.closed and (wb.mode == APPROXIMATE or learned_only):
+                closed |= wb.bit
+                continue
             if wb.mode != EXACT or learned_only:
                 learned |= wb.bit
             if wb.mode != APPROXIMATE and not learned_only:
                 exact |= wb.bit
+        found = (_closed_depths(hashes, closed, self._masks) if closed else []) + (
+            self._scan(hashes, learned, exact) if learned | exact else [])
+        for depth, bits in found:
+            for w, wb in wanted.items():
+                if bits & wb.bit:
+                    result[w] = depth
+        return result
+
+    def _scan(self, hashes: Sequence[int], learned: int, exact: int) -> list[tuple[int, int]]:
+        """Block by block: (depth, the bits that stop matching there), the bits that match
+        every block last, at ``len(hashes)``."""
         active = learned | exact
         masks, event_masks = self._masks, self._event_masks
+        out: list[tuple[int, int]] = []
         depth = 0
         for h in hashes:
             held = masks.get(h, 0) & learned
@@ -287,18 +324,13 @@ class PrefixDirectory:
                 held |= event_masks.get(h, 0) & exact
             still = active & held
             if still != active:
-                dropped = active & ~still
-                for w, wb in wanted.items():
-                    if dropped & wb.bit:
-                        result[w] = depth
+                out.append((depth, active & ~still))
                 active = still
                 if not active:
-                    return result
+                    return out
             depth += 1
-        for w, wb in wanted.items():
-            if active & wb.bit:
-                result[w] = depth
-        return result
+        out.append((depth, active))
+        return out
 
     # -- engine events (exact mode) ------------------------------------------------------------
     def mode(self, worker: str) -> Mode | None:
@@ -349,9 +381,10 @@ class PrefixDirectory:
                 self._clear_event(h, bit)
             elif was_pending:  # routed, never announced, now evicted: not held either way
                 self._clear_event(h, bit)
-            if wb.slots is None and h in wb.lru:
-                del wb.lru[h]
+            if wb.slots is None and wb.lru.discard(h):
                 self._clear(h, bit)
+                wb.last_chain = None
+                wb.closed = False  # its descendants may still be held
 
     def cleared(self, worker: str) -> None:
         """The engine dropped every block (AllBlocksCleared, or a restart): both sets empty."""
@@ -362,6 +395,7 @@ class PrefixDirectory:
         for h in wb.held():
             self._clear(h, wb.bit)
         wb.lru.clear()
+        wb.closed, wb.last_chain = True, None
         if wb.slots is not None:
             wb.refs.clear()
             wb.slots = [()] * len(wb.slots)
@@ -385,6 +419,7 @@ class PrefixDirectory:
             for h in wb.held():
                 self._clear(h, wb.bit)
             wb.lru.clear()
+            wb.closed, wb.last_chain = True, None
             if wb.slots is not None:
                 wb.refs.clear()
                 wb.slots = [()] * len(wb.slots)
@@ -471,6 +506,31 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def _closed_depths(hashes: Sequence[int], bits: int, masks: dict[int, int]
+                   ) -> list[tuple[int, int]]:
+    """(depth, workers) for workers of ``bits`` whose sets are prefix-closed: each holds a
+    leading run of ``hashes`` and nothing after it, so the set of them holding block *i*
+    only shrinks as *i* grows, and bisection between two blocks held by the same workers
+    can skip everything between them. O(changes × log n) lookups."""
+    get = masks.get
+    n = len(hashes)
+    first, last = get(hashes[0], 0) & bits, get(hashes[-1], 0) & bits
+    out = [(0, bits & ~first), (n, last)]
+    todo = [(0, n - 1, first, last)]
+    while todo:
+        lo, hi, m_lo, m_hi = todo.pop()
+        if m_lo == m_hi:
+            continue
+        if hi - lo == 1:
+            out.append((hi, m_lo & ~m_hi))  # held through block lo, not block hi
+            continue
+        mid = (lo + hi) // 2
+        m_mid = get(hashes[mid], 0) & bits
+        todo.append((lo, mid, m_lo, m_mid))
+        todo.append((mid, hi, m_mid, m_hi))
+    return out
 
 
 def _drop_bit(masks: dict[int, int], h: int, bit: int) -> None:

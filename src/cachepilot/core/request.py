@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,12 @@ class RequestError(Exception):
         """OpenAI's error envelope, so unmodified clients show the message."""
         return orjson.dumps({"error": {"message": self.message, "type": self.code,
                                        "code": self.status}})
+
+
+class UnparseableBody(RequestError):
+    """The body is not a JSON object: nothing in it can be routed on. A proxy protocol that
+    lets the gateway route it anyway sends it by load alone, and the engine answers it
+    (it may accept what the gateway's parser refuses)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +120,9 @@ def parse_openai_body(path: str, body: bytes) -> InferenceRequest:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+        raise UnparseableBody(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise RequestError(400, "request body must be a JSON object")
+        raise UnparseableBody(400, "request body must be a JSON object")
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, "'model' must be a non-empty string")
@@ -137,3 +144,14 @@ def parse_openai_body(path: str, body: bytes) -> InferenceRequest:
     text, ids = _prompt_of(data["prompt"])
     return InferenceRequest(model=model, prompt=text, token_ids=ids, stream=stream,
                             max_tokens=max_tokens, kind="completion", body=data)
+
+
+_MODEL_RE = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+
+
+def unparsed_request(body: bytes) -> InferenceRequest:
+    """What an unparseable body can still say for routing by load: the model it seems to
+    name (the first ``"model": "…"`` in its first 64 KB), no prompt."""
+    m = _MODEL_RE.search(body[:65536])
+    return InferenceRequest(model=m.group(1).decode("utf-8", "replace") if m else "",
+                            kind="unparsed")

@@ -18,10 +18,11 @@ from cachepilot.core.cost import (
     queue_ms,
 )
 from cachepilot.core.decision import Candidate, Decision, RoutingError
-from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer, fingerprint
+from cachepilot.core.fingerprint import BlockConfig, Fingerprint, Tokenizer
 from cachepilot.core.lifecycle import Outcome, Plugin, Response
 from cachepilot.core.policies import Context, pick
 from cachepilot.core.pool import Pool, PoolSpec
+from cachepilot.core.prefix_cache import Fingerprinter
 from cachepilot.core.request import InferenceRequest, RequestError
 from cachepilot.core.vllm_prompt import VllmPrompts, engine_fingerprint
 
@@ -36,6 +37,7 @@ class Router:
                  prompts: VllmPrompts | None = None) -> None:
         self.pools: dict[str, Pool] = {p.name: p for p in pools}
         self.tokenizer = tokenizer
+        self.fingerprinter = Fingerprinter(tokenizer)
         # The engines' prompt path (tokenizer, chat template, LoRA adapters) for pools that
         # hash as vLLM does and have none of their own (Pool.prompts).
         self.prompts = prompts
@@ -67,14 +69,23 @@ class Router:
         return fallback
 
     def fingerprint(self, req: InferenceRequest, pool: Pool) -> Fingerprint:
+        """The request's block hashes: given (the simulator), or computed, reusing what a
+        long prompt shares with a recent one (:class:`Fingerprinter`)."""
         if isinstance(req.fingerprint, Fingerprint):
             return req.fingerprint
+        try:
+            return self._fingerprint(req, pool)
+        except (ValueError, OverflowError, TypeError):  # e.g. token ids out of range
+            # Not hashable as its engine would (the engine will say why): routed by load.
+            return Fingerprint((), 0, pool.spec.block.block_size, fallback="unhashable")
+
+    def _fingerprint(self, req: InferenceRequest, pool: Pool) -> Fingerprint:
         block = pool.spec.block
         if block.vllm_seed is not None:  # exact where the engine's prompt is reproduced
             prompts = pool.prompts if pool.own_prompts else pool.prompts or self.prompts
-            return engine_fingerprint(req, req.model, block, prompts, self.tokenizer)
-        return fingerprint(req.model, block, text=req.prompt,
-                           token_ids=req.token_ids, tokenizer=self.tokenizer)
+            return engine_fingerprint(req, req.model, block, prompts, self.tokenizer,
+                                      chains=self.fingerprinter.chains)
+        return self.fingerprinter(req.model, block, text=req.prompt, token_ids=req.token_ids)
 
     def next_id(self) -> str:
         self._counter += 1
@@ -128,7 +139,7 @@ class Router:
         pool rebuilt from the record (:mod:`cachepilot.records.replay`)."""
         spec = pool.spec
         cost = spec.cost
-        matches = pool.directory.match(fp.hashes, pool.workers,
+        matches = pool.directory.match(fp.hashes, pool.workers, chained=True,
                                        learned_only=fp.fallback is not None)
         rate = pool.arrival_rate(now)
         # Arrivals per ms at one worker, if the pool's recent rate spread evenly.
@@ -251,14 +262,14 @@ def static_router(workers: list[str], *, policy: str, weights: Weights, models: 
                   block: BlockConfig, capacity_blocks: int, engine: str,
                   cost: CostModel | None = None, pool_name: str = "default",
                   tokenizer: Tokenizer | None = None,
-                  prompts: VllmPrompts | None = None) -> Router:
+                  prompts: VllmPrompts | None = None, id_prefix: str | None = None) -> Router:
     """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
     spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
                     block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel())
     pool = Pool(spec)
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})
-    return Router([pool], tokenizer=tokenizer, prompts=prompts)
+    return Router([pool], tokenizer=tokenizer, prompts=prompts, id_prefix=id_prefix)
 
 
 def _no_worker(pool: Pool, cands: list[Candidate], only: Collection[str] | None

@@ -40,6 +40,7 @@ from cachepilot.core.fingerprint import (
     fingerprint,
     vllm_block_hashes,
 )
+from cachepilot.core.prefix_cache import ChainCache
 from cachepilot.core.request import InferenceRequest
 
 # (text, add_special_tokens) → token ids, as the engine's Hugging Face fast tokenizer encodes.
@@ -183,12 +184,13 @@ def _forwarded_ids(body: Mapping[str, Any]) -> list[int] | None:
 
 def engine_fingerprint(req: InferenceRequest, model: str, block: BlockConfig,
                        prompts: VllmPrompts | None,
-                       tokenizer: Tokenizer | None = None) -> Fingerprint:
+                       tokenizer: Tokenizer | None = None, *,
+                       chains: ChainCache | None = None) -> Fingerprint:
     """``req``'s fingerprint in a pool whose engines are vLLM with ``block.vllm_seed``: the
     engine's own block hashes when its prompt is reproduced exactly, else the approximate
     scheme's (xxh3 over the flattened prompt's tokens) with ``fallback`` naming why, so the
     router matches it against the routing-learned directory only and never claims an
-    exact hit it cannot know."""
+    exact hit it cannot know. ``chains``: reuse a recent long prompt's block digests."""
     assert block.vllm_seed is not None
     reason = "no_tokenizer"
     if prompts is not None:
@@ -197,9 +199,10 @@ def engine_fingerprint(req: InferenceRequest, model: str, block: BlockConfig,
         except NotExact as exc:
             reason = exc.reason
         else:
-            hashes = vllm_block_hashes(p.token_ids, block.block_size,
-                                       cached_none_hash(block.vllm_seed), lora=p.lora,
-                                       cache_salt=p.cache_salt)
+            hash_blocks = vllm_block_hashes if chains is None else chains.vllm_hashes
+            hashes = hash_blocks(p.token_ids, block.block_size,
+                                 cached_none_hash(block.vllm_seed), lora=p.lora,
+                                 cache_salt=p.cache_salt)
             return Fingerprint(tuple(hashes), len(p.token_ids), block.block_size)
         if tokenizer is None:
             tokenizer = functools.partial(_encode_plain, prompts.encode)

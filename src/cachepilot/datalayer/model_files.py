@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from cachepilot.core.chat.template import ChatTemplate
+from cachepilot.core.fingerprint import HFTokens
+from cachepilot.core.prefix_cache import SplicingEncoder
 from cachepilot.core.vllm_prompt import VllmPrompts
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named tokens special_tokens_map holds (v5).
@@ -113,9 +115,8 @@ def load_prompts(tokenizer: str | Path, *, chat_template: str | Path | None = No
         except Exception as exc:  # a Jinja syntax error, an unknown content format
             raise ModelFilesError(f"cannot compile the chat template: {exc}") from None
 
-    def encode(prompt: str, add_special_tokens: bool) -> list[int]:
-        return tok.encode(prompt, add_special_tokens=add_special_tokens).ids
-
+    # Long prompts that begin like a recent one: the shared part's tokens are reused.
+    encode = SplicingEncoder(HFTokens(tok, special=False))
     return VllmPrompts(encode, template, dict(lora_adapters or {}),
                        frozenset(served_models))
 

@@ -23,8 +23,10 @@ from cachepilot.core.lifecycle import FIRST_BYTE, FIRST_TOKEN, Outcome, Response
 from cachepilot.core.request import (
     InferenceRequest,
     RequestError,
+    UnparseableBody,
     inference_path,
     parse_openai_body,
+    unparsed_request,
 )
 from cachepilot.core.router import Router
 
@@ -139,14 +141,20 @@ class Director:
             return self.fail(ex, too_large(self.options.max_body_bytes))
         return None
 
-    def route(self, ex: Exchange, raw: bytes, *, only: Collection[str] | None = None
-              ) -> Decision:
+    def route(self, ex: Exchange, raw: bytes, *, only: Collection[str] | None = None,
+              unparseable_by_load: bool = False) -> Decision:
         """Parse the whole body and route it. ``only``: the workers that may be picked (the
-        proxy's subset hint). Raises RequestError (RoutingError included) with the status
-        the client gets, already reported to the lifecycle."""
+        proxy's subset hint). ``unparseable_by_load``: a body that is not a JSON object is
+        routed by load alone (the engine answers it) instead of refused. Raises
+        RequestError (RoutingError included) with the status the client gets, already
+        reported to the lifecycle."""
         started = time.perf_counter()
         try:
             req = parse_openai_body(ex.path, raw)
+        except UnparseableBody as err:
+            if not unparseable_by_load:
+                raise self.fail(ex, err) from None
+            req = self._unparsed(raw)
         except RequestError as err:
             raise self.fail(ex, err) from None
         try:
@@ -156,6 +164,16 @@ class Director:
             raise err from None
         ex.decision, ex.stream, ex.phase = decision, req.stream, Phase.ROUTED
         return decision
+
+    def _unparsed(self, raw: bytes) -> InferenceRequest:
+        """An unparseable body's request: the model it seems to name if a pool serves it,
+        else one a pool serves (the router then prices the workers on load alone)."""
+        req = unparsed_request(raw)
+        pools = self.router.pools.values()
+        if any(req.model in p.spec.models or not p.spec.models for p in pools):
+            return req
+        model = next((m for p in pools for m in p.spec.models), "")
+        return InferenceRequest(model=model, kind="unparsed")
 
     def fail(self, ex: Exchange | None, err: RequestError,
              req: InferenceRequest | None = None) -> RequestError:

@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from cachepilot.core.decision import Decision
 from cachepilot.core.request import RequestError
-from cachepilot.gateway.director import Director, Exchange, GatewayOptions
+from cachepilot.gateway.director import Director, Exchange, GatewayOptions, Phase
 from cachepilot.gateway.protocol import (
     CHOSEN_KEY,
     DECISION_HEADER,
@@ -160,6 +160,8 @@ class EnvoyStreams:
         see the metadata."""
         d = self.director
         ex = s.ex
+        if ex.phase is not Phase.NEW:  # answered already: a re-delivered body (envoy #46237)
+            return []
         d.begin(ex, "POST", ex.path)
         if not ex.inference:
             return [immediate(d.fail(ex, RequestError(
@@ -183,7 +185,10 @@ class EnvoyStreams:
                 DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}))]
 
     def _request_body(self, s: RoutingStream, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
-        if not s.ex.inference:
+        if not s.ex.inference or s.ex.phase is not Phase.NEW:
+            # Not inference; or the body already ended and was routed once: a chunk Envoy
+            # re-delivers after the end (envoy #46237, GIE #2988) is answered like any
+            # STREAMED chunk (one answer per message) and never parsed or routed again.
             return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
         s.chunks += 1
         if msg.end_of_stream and not s.body:  # the whole body in one message: no copy
@@ -214,7 +219,7 @@ class EnvoyStreams:
         return out
 
     def _route(self, s: RoutingStream, raw: bytes) -> Decision:
-        decision = self.director.route(s.ex, raw)
+        decision = self.director.route(s.ex, raw, unparseable_by_load=True)
         opts = self.options
         if s.observe == "async" or (not s.observe and opts.observe_responses
                                     and opts.observe_async):

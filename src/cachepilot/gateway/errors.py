@@ -33,9 +33,11 @@ class ErrorAnswer:
 
 ERRORS: tuple[ErrorAnswer, ...] = (
     ErrorAnswer(400, "invalid_request", GATEWAY, False,
-                "The body is not valid JSON or not an object, `model` is missing or empty, "
-                "`prompt` or `messages` is missing or of the wrong type, `stream` is not a "
-                "boolean, `max_tokens` is negative, or the body is empty.",
+                "The body is not valid JSON or not an object (endpoint picker protocol "
+                "only: behind the gateway's own Envoy config such a body is routed by load "
+                "and the engine answers it), `model` is missing or empty, `prompt` or "
+                "`messages` is missing or of the wrong type, `stream` is not a boolean, "
+                "`max_tokens` is negative, or the body is empty.",
                 "Fix the request; the message names the field."),
     ErrorAnswer(404, "model_not_found", GATEWAY, False,
                 "No pool serves the body's `model` (and no pool serves every model).",

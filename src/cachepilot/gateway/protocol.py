@@ -61,6 +61,9 @@ PATH_METADATA = "x-cachepilot-path"
 # ORIGINAL_DST cluster can read: one ip:port, not a list).
 DECISION_KEY = DECISION_HEADER
 CHOSEN_KEY = "x-cachepilot-chosen"
+# Decision ids of gateway process i (``cachepilot gateway --processes N``) start
+# "p<i>."; Envoy's per-process routes match on it to send the observing stream there.
+PROCESS_ID_PREFIX = "p"
 # How the routing stream's request will be observed, as Envoy's config says: "async" (an
 # observing stream takes it over), "sync" (the routing stream carries the response), "off".
 OBSERVE_METADATA = "x-cachepilot-observe"

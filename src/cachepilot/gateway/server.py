@@ -25,7 +25,9 @@ from cachepilot.datalayer.kv_events import EndpointsFor, KVEventHub, follow_pool
 from cachepilot.datalayer.scrape import Scraper, StaticTargets
 from cachepilot.gateway.director import Director, GatewayOptions
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
+from cachepilot.gateway.local_peers import LocalPeers
 from cachepilot.gateway.plugins import MetricsPlugin, StallTracker
+from cachepilot.gateway.processes import ProcessSlot
 from cachepilot.gateway.replica_bus import ReplicaBus
 from cachepilot.gateway.service import ExtProcServicer
 from cachepilot.records import open_recorder
@@ -57,6 +59,10 @@ class GatewayConfig:
     replica_bus: str | None = None
     replica_id: str = ""  # this replica's name on the bus (default: host and pid)
     replica_subject: str = "cachepilot.sync"  # one per deployment sharing a NATS server
+    # One of the processes of ``cachepilot gateway --processes N`` (None: the only one):
+    # without a replica bus they share state over local sockets (gateway.local_peers).
+    process: ProcessSlot | None = None
+    extra_listen: tuple[str, ...] = ()  # more ext_proc addresses (SO_REUSEPORT, shared)
     # vLLM KV-cache events (cachepilot.datalayer.kv_events): where each worker publishes them
     # (None: no subscriptions; the directory stays routing-learned).
     kv_endpoints: EndpointsFor | None = None
@@ -76,19 +82,26 @@ class Gateway:
         recording = sink or (self.recorder if self.config.decision_log else None)
         self.stalls = StallTracker()
         replica = None
+        slot = self.config.process
         if self.config.replica_bus:
             replica = self.config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+            if slot is not None and self.config.replica_id:
+                replica += f"-p{slot.index}"
+        elif slot is not None and slot.count > 1:
+            replica = f"p{slot.index}"
         life = lifecycle_plugins(learn=self.config.calibrate, replica=replica, sink=recording,
                                  capture_prompts=options.capture_prompts,
                                  extra=(MetricsPlugin(self.metrics), self.stalls))
         for plugin in life.plugins:
             router.add_plugin(plugin)
         self.predictor = life.predictor
-        self.bus: ReplicaBus | None = None
-        if life.sync is not None:
-            assert self.config.replica_bus
+        self.bus: ReplicaBus | LocalPeers | None = None
+        if life.sync is not None and self.config.replica_bus:
             self.bus = ReplicaBus(router, life.sync, self.config.replica_bus,
                                   subject=self.config.replica_subject)
+        elif life.sync is not None:
+            assert slot is not None
+            self.bus = LocalPeers(router, life.sync, slot.group, slot.index, slot.count)
         self.director = Director(router, options=options,
                                  on_passthrough=self.metrics.passthrough.inc)
         self.servicer = ExtProcServicer(self.director)
@@ -111,6 +124,9 @@ class Gateway:
         self.grpc_port = server.add_insecure_port(self.config.grpc_address)
         if not self.grpc_port:
             raise OSError(f"cannot listen on {self.config.grpc_address}")
+        for address in self.config.extra_listen:
+            if not server.add_insecure_port(address):
+                raise OSError(f"cannot listen on {address}")
         await server.start()
         self._grpc = server
         self._tasks.append(asyncio.create_task(self.scraper.run()))

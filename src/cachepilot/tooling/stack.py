@@ -65,6 +65,18 @@ def common_port(hosts: list[str], pair: bool = False, tries: int = 200) -> int:
     raise OSError(f"no port free on all of {hosts}")
 
 
+def free_port_run(n: int, tries: int = 200) -> int:
+    """The first of ``n`` consecutive ports free now (a gateway with ``--processes n``)."""
+    if n <= 1:
+        return free_port()
+    for _ in range(tries):
+        p = free_port()
+        if p + n < 65536 and all(port_free(q) for q in range(p + 1, p + n)):
+            _handed_out.update(range(p + 1, p + n))
+            return p
+    raise OSError(f"no {n} consecutive free ports")
+
+
 def free_port_pair() -> int:
     """A free port whose next one is free too: a KV-event publisher's (events, replay)."""
     return common_port(["127.0.0.1"], pair=True)
@@ -117,6 +129,9 @@ class StackConfig:
     # Gateway replicas behind Envoy's ext_proc cluster; more than one share their routing
     # state over a local NATS server (cachepilot.gateway.replica_bus).
     replicas: int = 1
+    # Processes of the one gateway (cachepilot gateway --processes N): consecutive ports,
+    # state shared over local sockets, each request observed by the process that routed it.
+    processes: int = 1
     # The simulated workers publish KV-cache events as vLLM does, each on its own loopback
     # address (127.0.0.2, …) and one common port; the gateway follows them (exact mode).
     kv_events: bool = False
@@ -150,6 +165,8 @@ class LocalStack(LoopbackAddresses):
 
     def start(self, timeout_s: float = 30.0) -> LocalStack:
         c = self.config
+        if c.processes > 1 and c.replicas > 1:
+            raise ValueError("a stack has gateway replicas or one gateway of N processes")
         check_port_free(c.port, "Envoy's listener")
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="cachepilot-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -168,8 +185,9 @@ class LocalStack(LoopbackAddresses):
             self.processes.spawn(f"worker-{i}", [
                 *cp, "sim-worker", "--port", str(port), "--model", c.model, "--speed",
                 str(c.speed), "--name", f"worker-{i}", *host, *events, *c.worker_args])
-        self.gateway_port = self.gateway_port or free_port()
-        self.admin_port = self.admin_port or free_port()
+        self.gateway_port = self.gateway_port or free_port_run(
+            c.processes + (c.processes > 1))  # the shared port, then each process's own
+        self.admin_port = self.admin_port or free_port_run(c.processes)
         self.replica_ports = [(free_port(), free_port()) for _ in range(c.replicas - 1)]
         if c.start_gateway:
             bus: list[str] = []
@@ -195,6 +213,8 @@ class LocalStack(LoopbackAddresses):
                              else f"{c.decision_log}-{i}"]
                 if not c.observe_responses:
                     args += ["--no-observe-responses"]
+                if c.processes > 1:
+                    args += ["--processes", str(c.processes)]
                 self.processes.spawn(name, args,
                                      spare_flag="--standby" if c.gateway_spare else None)
         self.envoy_port = c.port or free_port()
@@ -207,7 +227,8 @@ class LocalStack(LoopbackAddresses):
             fallback_workers=tuple(self.worker_addresses) if c.fail_open else (),
             workers=tuple(self.worker_addresses),
             first_byte_timeout_s=c.first_byte_timeout_s,
-            observe_responses=c.observe_responses, max_body_bytes=c.max_body_bytes)
+            observe_responses=c.observe_responses, max_body_bytes=c.max_body_bytes,
+            ext_proc_processes=c.processes)
         if c.replicas > 1:
             # Several replicas behind this one Envoy: the observing ext_proc stream is
             # balanced on its own and may reach a replica that did not route the request, so
@@ -232,6 +253,8 @@ class LocalStack(LoopbackAddresses):
         gateway = self.admin_url if self.config.start_gateway else None
         if gateway:
             checks.append(f"{gateway}/readyz")
+            checks += [f"http://127.0.0.1:{self.admin_port + i}/readyz"
+                       for i in range(1, self.config.processes)]
             checks += [f"http://127.0.0.1:{a}/readyz" for _, a in self.replica_ports]
         self.processes.wait_ready(checks, timeout_s, gateway_admin_url=gateway)
 

@@ -28,6 +28,7 @@ OpenAI-style JSON error body (:func:`_local_reply_config`).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ from cachepilot.gateway.protocol import (
     OBSERVE_METADATA,
     OBSERVE_ROLE,
     PATH_METADATA,
+    PROCESS_ID_PREFIX,
     ROLE_METADATA,
     ROUTE_ROLE,
     WORKER_HEADER,
@@ -89,6 +91,11 @@ class EnvoyOptions:
     # More gateway replicas on the same host (cachepilot up --replicas): Envoy spreads the
     # ext_proc streams over all of them (round robin).
     ext_proc_more_ports: tuple[int, ...] = ()
+    # One gateway run with ``--processes N`` (cachepilot.gateway.processes): process i has
+    # ext_proc_port + 1 + i to itself. Routing streams go round robin over those; a
+    # request's observing stream goes to the process that routed it (its decision id says
+    # which, :func:`process_routes`).
+    ext_proc_processes: int = 1
     fail_open: bool = False
     fallback_workers: tuple[str, ...] = ()  # host:port; required with fail_open
     observe_responses: bool = True  # stream response bodies to the gateway (TTFT, cached tokens)
@@ -163,6 +170,9 @@ class EnvoyOptions:
         if self.fail_open and not self.fallback_workers:
             raise ValueError("fail-open needs fallback workers (host:port) to send requests to")
         check_hostports(*self.fallback_workers, *self.workers)
+        if self.ext_proc_processes < 1 or (self.ext_proc_processes > 1
+                                           and self.ext_proc_more_ports):
+            raise ValueError("ext_proc_processes is 1 or more, and excludes more ports")
 
 
 def _error_body(status: int | str, message: str, kind: str) -> dict[str, Any]:
@@ -325,8 +335,41 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
         if not sync_observe:  # the gateway answers no response message: Envoy adds it
             r["response_headers_to_add"] = [*r["response_headers_to_add"],
                                             header(DECISION_HEADER, decision)]
+        if o.ext_proc_processes > 1 and OBSERVE_FILTER in per_route:
+            routes += process_routes(r, o.ext_proc_processes, by_metadata=o.body_only)
         routes.append(r)
     return routes
+
+
+def process_routes(route: dict[str, Any], processes: int, *, by_metadata: bool
+                   ) -> list[dict[str, Any]]:
+    """One copy of ``route`` per gateway process, matched on the routing answer's decision
+    id (process i's ids start ``p<i>.``, :func:`cachepilot.gateway.processes.id_prefix`),
+    whose observing filter calls that process's own cluster: the process that routed a
+    request is the one holding its exchange. ``route`` itself stays last, for requests no
+    process routed (fail-open)."""
+    out = []
+    for i in range(processes):
+        match = copy.deepcopy(route["match"])
+        prefix = {"prefix": f"{PROCESS_ID_PREFIX}{i}."}
+        if by_metadata:
+            match["dynamic_metadata"] = [*match.get("dynamic_metadata", []), {
+                "filter": LB_METADATA_NAMESPACE, "path": [{"key": DECISION_KEY}],
+                "value": {"string_match": prefix}}]
+        else:
+            match["headers"] = [*match.get("headers", []),
+                                {"name": DECISION_HEADER, "string_match": prefix}]
+        per_route = copy.deepcopy(route["typed_per_filter_config"])
+        per_route[OBSERVE_FILTER]["overrides"]["grpc_service"] = {
+            "envoy_grpc": {"cluster_name": process_cluster(i)}, "timeout": "5s"}
+        out.append({**copy.deepcopy(route), "name": f"{route['name']}-p{i}", "match": match,
+                    "typed_per_filter_config": per_route})
+    return out
+
+
+def process_cluster(i: int) -> str:
+    """The ext_proc cluster of gateway process ``i`` alone (observing streams)."""
+    return f"{EXT_PROC_CLUSTER}_p{i}"
 
 
 def _routing_filter(o: EnvoyOptions) -> dict[str, Any]:
@@ -391,11 +434,18 @@ def build(o: EnvoyOptions) -> dict[str, Any]:
         common_http_protocol_options={"max_headers_count": o.max_request_headers
                                       + HEADER_HEADROOM},
         local_reply_config=_local_reply_config(o))
-    ext_proc = static_cluster(EXT_PROC_CLUSTER, [(o.ext_proc_host, p) for p in
-                                                 (o.ext_proc_port, *o.ext_proc_more_ports)],
+    ports = ((o.ext_proc_port, *o.ext_proc_more_ports) if o.ext_proc_processes == 1 else
+             tuple(o.ext_proc_port + 1 + i for i in range(o.ext_proc_processes)))
+    ext_proc = static_cluster(EXT_PROC_CLUSTER, [(o.ext_proc_host, p) for p in ports],
                               http2=True)
     ext_proc["circuit_breakers"] = breakers(o.max_requests)
     clusters = [ext_proc, _workers_cluster(o)]
+    if o.ext_proc_processes > 1:
+        for i in range(o.ext_proc_processes):
+            one = static_cluster(process_cluster(i),
+                                 [(o.ext_proc_host, o.ext_proc_port + 1 + i)], http2=True)
+            one["circuit_breakers"] = breakers(o.max_requests)
+            clusters.append(one)
     if o.fail_open:
         clusters.append(fallback_cluster(FALLBACK_CLUSTER, o.fallback_workers, o.max_requests,
                                          timeout_s=o.connect_timeout_s))
