@@ -81,7 +81,7 @@ docs-serve: $(VENV)/.installed-docs  # http://127.0.0.1:8000, rebuilt on change
 # and the gateway in exact mode); they fail, not skip, if vLLM cannot run. docs/vllm.md.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: vllm-venv vllm-model test-vllm vllm-study
+.PHONY: vllm-venv vllm-model test-vllm vllm-study vllm-chat-study
 
 $(VENV)/.installed-vllm: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[dev,vllm]'
@@ -100,3 +100,10 @@ test-vllm: vllm-model
 # (~25-40 min on the shared 2 cores): docs/results/vllm/.
 vllm-study: vllm-model
 	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --seeds 1,2,3 --out docs/results/vllm
+
+# The same for chat sessions through Envoy and the gateway (issue 23; ~5 min each on the
+# shared 2 cores, most of it the workers' start-up): docs/results/vllm-chat/, then with 30 %
+# of the traffic bypassing the gateway.
+vllm-chat-study: vllm-model
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 1,2,3 --out docs/results/vllm-chat
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 1,2,3 --outside 0.3 --out docs/results/vllm-chat/outside-traffic
