@@ -96,7 +96,8 @@ def _samples(seed: int, policy: str, outside: bool) -> list[chat.ChatSample]:
     return [chat.ChatSample(policy, seed, f"127.0.0.{2 + i % 2}:8000", 500, m, e, a,
                             (0.4 if m else 2.5) + 0.01 * i, "exact", i, float(i), 0,
                             session=i // 2, turn=i % 2, rendered_tokens=500,
-                            decision=f"d{seed}{i}")
+                            decision=f"d{seed}{i}",
+                            why="false hit: late" if (m == 0) != (e == 0) else None)
             for i, (m, e, a) in enumerate(cases)]
 
 
@@ -136,6 +137,7 @@ def test_report_on_chat_samples(tmp_path: Path) -> None:
     assert "differed from the engine's `prompt_tokens` 0 times" in text
     assert "≥ 0.98 on all 36 requests: **missed**" in text
     assert "per policy: round_robin missed; cachepilot met" in text
+    assert "| 2 | round_robin | 0 | 127.0.0.2:8000 | 96 | 0 | 0 | false hit: late |" in text
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["bar"] == 0.98 and doc["meets_bar"] is False
     assert doc["meets_bar_by_policy"] == {"round_robin": False, "cachepilot": True}
@@ -182,5 +184,31 @@ def test_cli_api_chat_writes_the_study(tmp_path: Path, monkeypatch: pytest.Monke
     doc = json.loads((out / "results.json").read_text())
     assert doc["command"] == ("cachepilot experiment real-model --engine vllm --api chat "
                               f"--json --out {out} --requests 60 --workers 2 --seeds 1,2,3 "
-                              "--outside 0.3")
+                              "--outside 0.3 --concurrency 2")
     assert (logs / "vllm-study.json").exists()
+
+
+def test_diagnose_reads_the_engines_events() -> None:
+    """A wrong prediction explained: a false hit whose block 0 the engine removed in a step
+    announced after the decision; a missed hit on a block announced after it (a request the
+    gateway never routed); a false hit the events had already refuted (our bug)."""
+    from cachepilot.records.schema import hash_hex
+
+    w, t = "127.0.0.2:8000", 1000.0
+    rec = {"time": t, "hashes": [hash_hex(h) for h in (11, 12, 13)]}
+    log = [chat.Logged(w, t - 5, t - 5, "BlockStored", frozenset({11, 12, 13})),
+           chat.Logged("127.0.0.3:8000", t + 0.1, t + 0.1, "BlockRemoved", frozenset({11})),
+           chat.Logged(w, t + 0.4, t + 0.3, "BlockRemoved", frozenset({11, 12}))]
+    why = chat.diagnose(rec, 96, 0, w, log, 32)
+    assert why.startswith("false hit: block 0 announced 5.00 s before; its BlockRemoved came "
+                          "+0.40 s after the decision (engine step stamped +0.30 s)"), why
+    assert chat.diagnose(rec, 96, 96, w, log, 32) == ""  # right
+    late = [chat.Logged(w, t + 0.8, t + 0.7, "BlockStored", frozenset({11, 12}))]
+    why = chat.diagnose(rec, 0, 64, w, late, 32)
+    assert why.startswith("missed hit: block 1 announced +0.80 s after the decision"), why
+    known = [chat.Logged(w, t - 1, t - 1, "BlockRemoved", frozenset({11}))]
+    assert chat.diagnose(rec, 96, 0, w, known, 32).startswith(
+        "false hit: block 0's BlockRemoved came 1.00 s before the decision")
+    assert chat.diagnose(rec, 96, 0, w, [], 32) == ("false hit: block 0 pending (routed, not "
+                                                    "announced); no removal of it seen after "
+                                                    "the decision")

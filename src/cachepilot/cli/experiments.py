@@ -285,6 +285,9 @@ def _study_progress() -> Iterator[Progress]:
               show_default=True,
               help="(vllm) Share of requests sent to a random worker behind the directories' "
                    "backs (another gateway, a client bypassing it); the rest are scored.")
+@click.option("--concurrency", type=click.IntRange(1), cls=StudyOption,
+              study_default="cachepilot.lab.vllm_study:StudyConfig.concurrency",
+              help="(vllm) Requests in flight.")
 @click.option("--logs", "log_dir", default=None, type=click.Path(file_okay=False),
               help="(vllm) Worker logs and the raw JSON.  [default: runs/vllm-study, "
                    "runs/vllm-chat-study]")
@@ -299,14 +302,14 @@ def _study_progress() -> Iterator[Progress]:
 @click.pass_context
 def real_model_cmd(ctx: click.Context, engine: str, api: str, as_json: bool,
                    out_dir: str | None, requests: int | None, rate: float, workers: int,
-                   seed: int, seeds: str, outside: float, log_dir: str | None, groups: int,
-                   cache_ram_mib: int, slots: int) -> None:
+                   seed: int, seeds: str, outside: float, concurrency: int,
+                   log_dir: str | None, groups: int, cache_ram_mib: int, slots: int) -> None:
     """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp, or
     on vLLM (round robin vs CachePilot, hit prediction with KV events vs routing-learned;
     completions, or chat through the gateway)."""
     if engine == "vllm":
         chat = api == "chat"
-        _real_model_vllm(ctx, api, seeds, requests, workers, outside,
+        _real_model_vllm(ctx, api, seeds, requests, workers, outside, concurrency,
                          out_dir or ("docs/results/vllm-chat" if chat else "docs/results/vllm"),
                          log_dir or ("runs/vllm-chat-study" if chat else "runs/vllm-study"),
                          as_json)
@@ -326,7 +329,7 @@ def real_model_cmd(ctx: click.Context, engine: str, api: str, as_json: bool,
                            cache_ram_mib=cache_ram_mib)
     echo = None if as_json else (lambda m: click.echo(m, err=True))
     output = _output(ctx, out_dir, out_dir=out_dir, requests=requests, seeds=None,
-                     outside=None, log_dir=None, api=None)
+                     outside=None, log_dir=None, api=None, concurrency=None)
     try:
         result = run_experiment(output, workload, requests, seed, workers=workers,
                                 echo=echo, spec=spec)
@@ -339,8 +342,8 @@ def real_model_cmd(ctx: click.Context, engine: str, api: str, as_json: bool,
 
 
 def _real_model_vllm(ctx: click.Context, api: str, seeds: str, requests: int | None,
-                     workers: int, outside: float, out_dir: str, log_dir: str,
-                     as_json: bool) -> None:
+                     workers: int, outside: float, concurrency: int, out_dir: str,
+                     log_dir: str, as_json: bool) -> None:
     """The vLLM studies (lab/vllm_study.py, lab/vllm_chat_study.py) and their report
     (lab/vllm_report.py)."""
     import asyncio
@@ -366,7 +369,8 @@ def _real_model_vllm(ctx: click.Context, api: str, seeds: str, requests: int | N
         from cachepilot.lab.vllm_study import run
 
     requests = requests or Config.requests
-    cfg = Config(seeds=seed_list, requests=requests, workers=workers, outside=outside)
+    cfg = Config(seeds=seed_list, requests=requests, workers=workers, outside=outside,
+                 concurrency=concurrency)
     llama_only = dict.fromkeys(("rate", "seed", "groups", "cache_ram_mib", "slots"))
     output = _output(ctx, out_dir, out_dir=out_dir, requests=requests, log_dir=None,
                      **llama_only)  # where the logs go does not change the results

@@ -200,6 +200,119 @@ class ChatSample(Sample):
     rendered_tokens: int = 0  # this process's render of the request (== prompt_tokens)
     fallback: str | None = None  # the decision record's exact_fallback
     decision: str = ""
+    why: str | None = None  # a wrong hit prediction, explained from the engine's events
+
+
+# -- the engines' events, to explain a wrong prediction ----------------------------------------
+
+@dataclass(frozen=True)
+class Logged:
+    worker: str
+    received: float  # time.time() here
+    ts: float  # the batch's timestamp (the engine's time.time())
+    kind: str  # BlockStored, BlockRemoved, AllBlocksCleared
+    hashes: frozenset[int]
+
+
+class EventLog:
+    """Every KV-event batch the workers publish, as this process receives it (a subscriber
+    of its own beside the gateway's), for :func:`diagnose`."""
+
+    def __init__(self) -> None:
+        self.entries: list[Logged] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ctx: Any = None
+
+    def start(self, endpoints: dict[str, str], topic: str = "kv-events") -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        for worker, endpoint in endpoints.items():
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            sock.connect(endpoint)
+            self._tasks.append(asyncio.get_running_loop().create_task(self._read(worker,
+                                                                                  sock)))
+
+    async def _read(self, worker: str, sock: Any) -> None:
+        from cachepilot.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+        from cachepilot.datalayer.kv_wire import MalformedBatch, decode_batch
+
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                now = time.time()
+                try:
+                    events, _, ts = decode_batch(frames[-1])
+                except MalformedBatch:
+                    continue
+                for e in events:
+                    if isinstance(e, BlockStored | BlockRemoved):
+                        self.entries.append(Logged(worker, now, ts, type(e).__name__,
+                                                   frozenset(e.hashes)))
+                    elif isinstance(e, AllBlocksCleared):
+                        self.entries.append(Logged(worker, now, ts, "AllBlocksCleared",
+                                                   frozenset()))
+        finally:
+            sock.close(0)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+
+
+def diagnose(record: dict[str, Any], predicted_tokens: int, measured: int, worker: str,
+             log: list[Logged], block_size: int) -> str:
+    """Why the gateway's hit prediction (its decision ``record``) was wrong, from the
+    engine's events: when the blocks it counted on (a false hit) or the first block the
+    engine had (a missed hit) were announced, relative to the routing decision."""
+    t = float(record["time"])
+    hashes = [int(h, 16) for h in record["hashes"]]
+    mine = [e for e in log if e.worker == worker]
+
+    def last_before(h: int) -> Logged | None:
+        return next((e for e in reversed(mine) if e.received <= t
+                     and (h in e.hashes or e.kind == "AllBlocksCleared")), None)
+
+    def first_after(h: int, kind: str) -> Logged | None:
+        return next((e for e in mine if e.received > t and e.kind == kind and h in e.hashes),
+                    None)
+
+    if predicted_tokens > 0 and measured == 0:  # a false hit: the first block was gone
+        h = hashes[0]
+        before = last_before(h)
+        if before is None:
+            held = "pending (routed, not announced)"
+        elif before.kind == "BlockStored":
+            held = f"announced {t - before.received:.2f} s before"
+        else:  # the engine had said it was gone: the gateway should have known
+            return (f"false hit: block 0's {before.kind} came {t - before.received:.2f} s "
+                    "before the decision")
+        gone = first_after(h, "BlockRemoved")
+        if gone is None:
+            return f"false hit: block 0 {held}; no removal of it seen after the decision"
+        return (f"false hit: block 0 {held}; its BlockRemoved came {gone.received - t:+.2f} s "
+                f"after the decision (engine step stamped {gone.ts - t:+.2f} s): evicted by "
+                "a step the gateway had not heard of yet")
+    if predicted_tokens == 0 and measured > 0:  # a missed hit
+        n = measured // block_size
+        h = hashes[max(0, n - 1)] if hashes else 0
+        before = last_before(h)
+        if before is not None and before.kind == "BlockStored":
+            return (f"missed hit: block {n - 1} was announced {t - before.received:.2f} s "
+                    "before the decision")
+        stored = first_after(h, "BlockStored")
+        if stored is None:
+            return f"missed hit: block {n - 1} never announced"
+        return (f"missed hit: block {n - 1} announced {stored.received - t:+.2f} s after the "
+                f"decision (engine step stamped {stored.ts - t:+.2f} s): stored by a request "
+                "the gateway had not routed or not heard of yet")
+    return ""
 
 
 # -- one phase -------------------------------------------------------------------------------
@@ -236,7 +349,8 @@ def _capped(blocks_tokens: int, n_tokens: int, bs: int) -> int:
 
 
 async def run_phase(cfg: ChatStudyConfig, policy: str, seed: int, stack: Any, prompts: Any,
-                    none_hash: bytes) -> tuple[list[ChatSample], dict[str, Any]]:
+                    none_hash: bytes, events: EventLog | None = None
+                    ) -> tuple[list[ChatSample], dict[str, Any]]:
     """One phase through ``stack`` (a started :class:`~cachepilot.tooling.vllm.stack.VllmStack`
     whose gateway already runs ``policy``, its caches reset); the scored samples and the
     gateway's view of the workers at the end."""
@@ -303,13 +417,17 @@ async def run_phase(cfg: ChatStudyConfig, policy: str, seed: int, stack: Any, pr
                                    f"answered by {worker}")
             usage = got["usage"]
             n = usage["prompt_tokens"]
+            measured = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            predicted = _capped(int(rec["predicted_cached_tokens"]), n, bs)
+            why = None
+            if events is not None and (predicted > 0) != (measured > 0):
+                await asyncio.sleep(2.0)  # a late event is what explains most
+                why = diagnose(rec, predicted, measured, worker, events.entries, bs)
             samples.append(ChatSample(
-                policy, seed, worker, n,
-                (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-                _capped(int(rec["predicted_cached_tokens"]), n, bs),
+                policy, seed, worker, n, measured, predicted,
                 _capped(before[worker] * bs, n, bs), got["ttft"], seen["mode"], req.index,
                 round(t0 - start, 3), seen["queued"], req.session, req.turn, len(ids),
-                rec.get("exact_fallback"), rec["id"]))
+                rec.get("exact_fallback"), rec["id"], why))
 
         async def bypass(req: ChatRequest, worker: str) -> None:
             await _stream(http, f"http://{worker}", req.body)
@@ -391,12 +509,15 @@ async def run(cfg: ChatStudyConfig, venv: Path, log_dir: Path,
     phases: list[dict[str, Any]] = []
     counters = _Counters()
     subscribers: dict[str, Any] = {}
+    events = EventLog()
     t_start, load_start = time.monotonic(), os.getloadavg()
     try:
         t0 = time.monotonic()
         await asyncio.to_thread(stack.start)
         progress(f"[chat study] workers, gateway and Envoy ready in "
                  f"{time.monotonic() - t0:.0f} s: {stack.url}")
+        events.start({a: f"tcp://{h}:{stack.events_port}"
+                      for a, h in zip(stack.worker_addresses, stack.hosts, strict=True)})
         for seed in cfg.seeds:
             for i in range(len(cfg.policies)):
                 policy = cfg.policies[(i + seed) % len(cfg.policies)]  # order rotated per seed
@@ -412,7 +533,7 @@ async def run(cfg: ChatStudyConfig, venv: Path, log_dir: Path,
                 if any(held.values()):
                     raise RuntimeError(f"the caches did not clear: {held}")
                 got, subscribers = await run_phase(cfg, policy, seed, stack, prompts,
-                                                   none_hash)
+                                                   none_hash, events)
                 samples += got
                 ph = phase_record(got, seed, policy, time.monotonic() - t0,
                                   (load0, os.getloadavg()[0]))
@@ -431,6 +552,7 @@ async def run(cfg: ChatStudyConfig, venv: Path, log_dir: Path,
                          f" p90 {ph['ttft_p90_s']:.2f} s; render mismatches {mism}, "
                          f"fallbacks {falls}; load {ph['loadavg_1m']}")
     finally:
+        await events.stop()
         await asyncio.to_thread(stack.stop)
     return {"config": {**asdict(cfg), "api": "chat", "routers": list(cfg.policies),
                        "block_size": spec.block_size, "hash_seed": spec.hash_seed,

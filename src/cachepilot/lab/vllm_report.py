@@ -164,6 +164,20 @@ def _setup(data: dict[str, Any]) -> list[str]:
             f"{checks.get('fallbacks', '?')} requests approximately (`exact_fallback`).", ""]
 
 
+def _explained(samples: list[dict[str, Any]]) -> list[str]:
+    """The wrong hit predictions the study explained from the engines' events (chat)."""
+    rows = [s for s in samples if s.get("why")]
+    if not rows:
+        return []
+    out = ["Every wrong hit prediction of the events, explained from the engine's own events "
+           "(a subscriber of the study's beside the gateway's):", "",
+           "| seed | policy | request | worker | predicted | cached | in flight there | why |",
+           "|---|---|---|---|---|---|---|---|"]
+    out += [f"| {s['seed']} | {s['policy']} | {s['index']} | {s['worker']} | {s['exact']} | "
+            f"{s['measured']} | {s['queued']} | {s['why']} |" for s in rows]
+    return [*out, ""]
+
+
 def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any]) -> str:
     phases = data["phases"]
     L = [*_setup(data),
@@ -186,7 +200,7 @@ def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any]) ->
     L += ["", f"The issue's bar, precision and recall with events ≥ {bar:.2f} on all "
           f"{pred['all']['requests']} requests: **{'met' if meets(pred, bar) else 'missed'}** "
           f"(precision {_f(all_ev['precision'])}, recall {_f(all_ev['recall'])}); per policy: "
-          f"{each}.", "",
+          f"{each}.", "", *_explained(data["samples"]),
           "## TTFT by prediction (events)", "",
           "| policy | predicted hits: n, p50 s, p90 s | predicted misses: n, p50 s, p90 s |",
           "|---|---|---|"]
