@@ -101,9 +101,10 @@ test-vllm: vllm-model
 vllm-study: vllm-model
 	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --seeds 1,2,3 --out docs/results/vllm
 
-# The same for chat sessions through Envoy and the gateway (issue 23; ~5 min each on the
-# shared 2 cores, most of it the workers' start-up): docs/results/vllm-chat/, then with 30 %
-# of the traffic bypassing the gateway.
+# The same for chat sessions through Envoy and the gateway (issue 23; 2-5 min each, most of
+# it the workers' start-up): docs/results/vllm-chat/, then with 30 % of the traffic bypassing
+# the gateway, then that with four requests in flight.
 vllm-chat-study: vllm-model
 	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 1,2,3 --out docs/results/vllm-chat
 	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 1,2,3 --outside 0.3 --out docs/results/vllm-chat/outside-traffic
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 4,5,6 --outside 0.3 --concurrency 4 --out docs/results/vllm-chat/four-in-flight
