@@ -81,7 +81,7 @@ docs-serve: $(VENV)/.installed-docs  # http://127.0.0.1:8000, rebuilt on change
 # and the gateway in exact mode); they fail, not skip, if vLLM cannot run. docs/vllm.md.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: vllm-venv vllm-model test-vllm vllm-study
+.PHONY: vllm-venv vllm-model test-vllm vllm-study vllm-chat-study
 
 $(VENV)/.installed-vllm: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[dev,vllm]'
@@ -100,3 +100,11 @@ test-vllm: vllm-model
 # (~25-40 min on the shared 2 cores): docs/results/vllm/.
 vllm-study: vllm-model
 	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --seeds 1,2,3 --out docs/results/vllm
+
+# The same for chat sessions through Envoy and the gateway (issue 23; 2-5 min each, most of
+# it the workers' start-up): docs/results/vllm-chat/, then with 30 % of the traffic bypassing
+# the gateway, then that with four requests in flight.
+vllm-chat-study: vllm-model
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 1,2,3 --out docs/results/vllm-chat
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 1,2,3 --outside 0.3 --out docs/results/vllm-chat/outside-traffic
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-model --engine vllm --api chat --seeds 4,5,6 --outside 0.3 --concurrency 4 --out docs/results/vllm-chat/four-in-flight

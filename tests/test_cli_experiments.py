@@ -35,7 +35,7 @@ def test_listing_the_studies_imports_none() -> None:
 
 
 def test_defaults_are_the_studies_own() -> None:
-    from cachepilot.lab import real_peers, real_traffic, vllm_study
+    from cachepilot.lab import real_peers, real_traffic, vllm_chat_study, vllm_study
     from cachepilot.tooling.llamacpp import LlamaWorkerSpec
 
     peers = _ctx("real-peers", []).params
@@ -49,7 +49,8 @@ def test_defaults_are_the_studies_own() -> None:
                                                         LlamaWorkerSpec.cache_ram_mib)
     shown = CliRunner().invoke(main, ["experiment", "real-model", "--help"]).output
     assert (f"[default: {real_traffic.REQUESTS}; vllm: {vllm_study.StudyConfig.requests} per "
-            "phase]") in " ".join(shown.split())
+            f"phase, with --api chat {vllm_chat_study.ChatStudyConfig.requests}]"
+            ) in " ".join(shown.split())
     bad = CliRunner().invoke(main, ["experiment", "real-peers", "--routers", "cachepilot,nope"])
     assert bad.exit_code == 2 and "nope: choose from cachepilot, round_robin" in bad.output
 
@@ -58,6 +59,7 @@ def test_defaults_are_the_studies_own() -> None:
     ("peers", ["--seeds", "3", "--out", "/tmp/p"]),
     ("real-peers", ["--workloads", "hotspot", "--rate", "0.5", "--seeds", "2"]),
     ("real-model", ["--engine", "vllm", "--outside", "0.2", "--json"]),
+    ("real-model", ["--engine", "vllm", "--api", "chat", "--outside", "0.3"]),
 ])
 def test_the_written_command_reproduces_the_run(name: str, args: list[str]) -> None:
     ctx = _ctx(name, args)
@@ -67,6 +69,18 @@ def test_the_written_command_reproduces_the_run(name: str, args: list[str]) -> N
     again = _ctx(name, argv[3:])
     assert again.params == ctx.params
     assert command_line(again) == line
+
+
+def test_the_written_command_names_cachepilot_however_it_ran() -> None:
+    """``python -m cachepilot …`` names its root ``python -m cachepilot``: the command
+    written is still ``cachepilot experiment …``."""
+    command = experiment_group.commands["real-model"]
+    root = click.Context(main, info_name="python -m cachepilot")
+    ctx = command.make_context("real-model", ["--engine", "vllm", "--api", "chat"],
+                               parent=click.Context(experiment_group, info_name="experiment",
+                                                    parent=root))
+    assert command_line(ctx).startswith("cachepilot experiment real-model --engine vllm "
+                                        "--api chat ")
 
 
 def test_a_missing_extra_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -77,7 +77,7 @@ def test_workers_never_see_each_others_events_and_removal_forgets_all() -> None:
 
 ops = st.lists(st.tuples(st.sampled_from(["w0", "w1"]),
                          st.sampled_from(["stored", "removed", "cleared", "insert", "mode",
-                                          "age"]),
+                                          "age", "prefilled"]),
                          st.lists(st.integers(1, 8), max_size=5),
                          st.sampled_from([EXACT, DEGRADED, APPROXIMATE])), max_size=40)
 
@@ -86,6 +86,9 @@ ops = st.lists(st.tuples(st.sampled_from(["w0", "w1"]),
 @given(ops)
 @example([("w1", "mode", [], EXACT), ("w1", "insert", [1], EXACT),
           ("w1", "removed", [1], EXACT)])  # a late removal of a block routed this generation
+@example([("w1", "mode", [], EXACT), ("w1", "stored", [1], EXACT),
+          ("w1", "insert", [1], EXACT), ("w1", "prefilled", [1], EXACT),
+          ("w1", "removed", [1], EXACT)])  # ... by a request already prefilled: believed
 def test_match_agrees_with_a_reference_model(seq) -> None:
     d = two_workers()
     events = {"w0": set(), "w1": set()}
@@ -120,6 +123,11 @@ def test_match_agrees_with_a_reference_model(seq) -> None:
             learned[w] |= set(hs)
             if mode[w] != APPROXIMATE:  # announced blocks too: see "removed"
                 pending[w].update((h, gen[w]) for h in hs)
+        elif op == "prefilled":
+            d.prefilled(w, hs)
+            for h in hs:
+                if h in events[w]:  # announced, and its request is done: no longer pending
+                    pending[w].pop(h, None)
         elif op == "age":
             d.age_pending(w)
             gen[w] += 1
@@ -171,3 +179,54 @@ def test_a_late_removal_keeps_a_block_just_routed_there_until_it_ages_out() -> N
     d.age_pending("w0")
     d.removed("w0", A)
     assert d.match(A, ["w0"]) == {"w0": 0}
+
+
+def test_a_removal_after_the_routed_request_was_prefilled_is_believed() -> None:
+    # The chat study on vLLM (docs/vllm.md): a request routed for an announced prefix hit it
+    # (nothing new to announce) and finished; seconds later, in the same generation, the
+    # engine evicted the prefix. That removal is real: the next request must not be told
+    # it hits (it was, for up to two generations, before prefilled()).
+    d = two_workers()
+    d.set_mode("w0", EXACT)
+    d.stored("w0", A)
+    d.insert("w0", A)  # routed: the engine will reuse A
+    d.stored("w0", A[2:])  # (announced again: nothing changes)
+    d.prefilled("w0", A)  # its first token: done with A
+    assert d.match(A, ["w0"]) == {"w0": 4}  # still held, as announced
+    assert d.modes()["w0"]["pending_blocks"] == 0
+    d.removed("w0", A[1:])
+    assert d.match(A, ["w0"]) == {"w0": 1}
+    # A block routed and not announced yet stays pending though its request is done (its
+    # store may come a moment after the first token): aged out if it never does.
+    d.insert("w0", B)
+    d.prefilled("w0", B)
+    assert d.match(B, ["w0"]) == {"w0": 3}
+
+
+def test_the_router_settles_a_requests_blocks_at_its_first_token() -> None:
+    """Through the router: a request that reused an announced prefix stops protecting it at
+    its first token, so a removal announced afterwards (same generation) is believed by the
+    next decision; before its first token the removal is taken for the old copy's."""
+    from cachepilot.core.cost import Weights
+    from cachepilot.core.fingerprint import BlockConfig
+    from cachepilot.core.request import InferenceRequest
+    from cachepilot.core.router import static_router
+    from cachepilot.core.workers import WorkerMetrics
+
+    w = "w:1"
+    for first_token, expected in ((True, 0), (False, 3)):
+        router = static_router([w], policy="round_robin", weights=Weights(), models=(),
+                               block=BlockConfig(4), capacity_blocks=100, engine="vllm")
+        pool = router.pools["default"]
+        pool.update_metrics(w, WorkerMetrics(scraped_at=0.0))
+        d = pool.directory
+        d.set_mode(w, EXACT)
+        req = InferenceRequest(model="m", token_ids=tuple(range(13)))
+        hashes = router.fingerprint(req, pool).hashes
+        d.stored(w, hashes)
+        decision = router.route(req, now=1.0)
+        assert decision.winner.matched_blocks == 3
+        if first_token:
+            router.first_token(decision)
+        d.removed(w, hashes)
+        assert router.route(req, now=2.0).winner.matched_blocks == expected

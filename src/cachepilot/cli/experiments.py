@@ -36,11 +36,12 @@ def _joined(values: tuple[str, ...] | dict[str, Any]) -> str:
     return ",".join(values)
 
 
-def _output(ctx: click.Context, out_dir: str, **resolved: Any) -> StudyOutput:
-    """The study's output folder, with the command line that reproduces this run."""
+def _output(ctx: click.Context, folder: str, /, **resolved: Any) -> StudyOutput:
+    """The study's output folder, with the command line that reproduces this run
+    (``resolved`` may name ``out_dir`` too: a default the command worked out)."""
     from cachepilot.lab.output import StudyOutput
 
-    return StudyOutput(Path(out_dir), command_line(ctx, **resolved))
+    return StudyOutput(Path(folder), command_line(ctx, **resolved))
 
 
 @click.group("experiment")
@@ -258,14 +259,20 @@ def _study_progress() -> Iterator[Progress]:
               show_default=True,
               help="llama.cpp workers, or two real vLLM workers whose KV events feed the "
                    "exact directory (make vllm-venv vllm-model; docs/vllm.md).")
+@click.option("--api", type=click.Choice(["completions", "chat"]), default="completions",
+              show_default=True,
+              help="(vllm) /v1/completions with shared system prompts, the directory in the "
+                   "study's process; or /v1/chat/completions sessions through Envoy and the "
+                   "gateway (rendered with the workers' chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="report.md, results.json, samples.json, the plots  [default: "
-                   "results/real-model; vllm: docs/results/vllm]")
+                   "results/real-model; vllm: docs/results/vllm, docs/results/vllm-chat]")
 @click.option("--requests", type=click.IntRange(1), default=None, cls=StudyOption,
               help_refs={"llama": f"{_TRAFFIC}:REQUESTS",
-                         "vllm": "cachepilot.lab.vllm_study:StudyConfig.requests"},
-              help="[default: {llama}; vllm: {vllm} per phase]")
+                         "vllm": "cachepilot.lab.vllm_study:StudyConfig.requests",
+                         "chat": "cachepilot.lab.vllm_chat_study:ChatStudyConfig.requests"},
+              help="[default: {llama}; vllm: {vllm} per phase, with --api chat {chat}]")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), cls=StudyOption,
               study_default=f"{_TRAFFIC}:WORKLOAD.rate", help="(llamacpp)")
 @click.option("--workers", type=click.IntRange(1), default=2, show_default=True)
@@ -278,8 +285,12 @@ def _study_progress() -> Iterator[Progress]:
               show_default=True,
               help="(vllm) Share of requests sent to a random worker behind the directories' "
                    "backs (another gateway, a client bypassing it); the rest are scored.")
-@click.option("--logs", "log_dir", default="runs/vllm-study", show_default=True,
-              type=click.Path(file_okay=False), help="(vllm) Worker logs and the raw JSON.")
+@click.option("--concurrency", type=click.IntRange(1), cls=StudyOption,
+              study_default="cachepilot.lab.vllm_study:StudyConfig.concurrency",
+              help="(vllm) Requests in flight.")
+@click.option("--logs", "log_dir", default=None, type=click.Path(file_okay=False),
+              help="(vllm) Worker logs and the raw JSON.  [default: runs/vllm-study, "
+                   "runs/vllm-chat-study]")
 @click.option("--groups", type=click.IntRange(1), cls=StudyOption,
               study_default=f"{_TRAFFIC}:WORKLOAD.groups", help="Shared documents (llamacpp).")
 @click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0), cls=StudyOption,
@@ -289,15 +300,19 @@ def _study_progress() -> Iterator[Progress]:
               study_default=f"{_LLAMA_SPEC}.parallel",
               help="llama-server -np per worker (llamacpp).")
 @click.pass_context
-def real_model_cmd(ctx: click.Context, engine: str, as_json: bool, out_dir: str | None,
-                   requests: int | None, rate: float, workers: int, seed: int, seeds: str,
-                   outside: float, log_dir: str, groups: int, cache_ram_mib: int,
-                   slots: int) -> None:
+def real_model_cmd(ctx: click.Context, engine: str, api: str, as_json: bool,
+                   out_dir: str | None, requests: int | None, rate: float, workers: int,
+                   seed: int, seeds: str, outside: float, concurrency: int,
+                   log_dir: str | None, groups: int, cache_ram_mib: int, slots: int) -> None:
     """Does the gateway's hit prediction hold on a real model? Gemma 3 270M on llama.cpp, or
-    on vLLM (round robin vs CachePilot, hit prediction with KV events vs routing-learned)."""
+    on vLLM (round robin vs CachePilot, hit prediction with KV events vs routing-learned;
+    completions, or chat through the gateway)."""
     if engine == "vllm":
-        _real_model_vllm(ctx, seeds, requests, workers, outside,
-                         out_dir or "docs/results/vllm", log_dir, as_json)
+        chat = api == "chat"
+        _real_model_vllm(ctx, api, seeds, requests, workers, outside, concurrency,
+                         out_dir or ("docs/results/vllm-chat" if chat else "docs/results/vllm"),
+                         log_dir or ("runs/vllm-chat-study" if chat else "runs/vllm-study"),
+                         as_json)
         return
     from cachepilot.tooling.llamacpp import LlamaWorkerSpec, installed, threads_per_worker
 
@@ -314,7 +329,7 @@ def real_model_cmd(ctx: click.Context, engine: str, as_json: bool, out_dir: str 
                            cache_ram_mib=cache_ram_mib)
     echo = None if as_json else (lambda m: click.echo(m, err=True))
     output = _output(ctx, out_dir, out_dir=out_dir, requests=requests, seeds=None,
-                     outside=None, log_dir=None)
+                     outside=None, log_dir=None, api=None, concurrency=None)
     try:
         result = run_experiment(output, workload, requests, seed, workers=workers,
                                 echo=echo, spec=spec)
@@ -326,9 +341,11 @@ def real_model_cmd(ctx: click.Context, engine: str, as_json: bool, out_dir: str 
     _table(result)
 
 
-def _real_model_vllm(ctx: click.Context, seeds: str, requests: int | None, workers: int,
-                     outside: float, out_dir: str, log_dir: str, as_json: bool) -> None:
-    """The vLLM study (lab/vllm_study.py) and its report (lab/vllm_report.py)."""
+def _real_model_vllm(ctx: click.Context, api: str, seeds: str, requests: int | None,
+                     workers: int, outside: float, concurrency: int, out_dir: str,
+                     log_dir: str, as_json: bool) -> None:
+    """The vLLM studies (lab/vllm_study.py, lab/vllm_chat_study.py) and their report
+    (lab/vllm_report.py)."""
     import asyncio
 
     require_extra("vllm", "httpx", "tokenizers")
@@ -342,13 +359,21 @@ def _real_model_vllm(ctx: click.Context, seeds: str, requests: int | None, worke
     except ValueError:
         raise click.BadParameter(f"{seeds!r}: comma-separated integers",
                                  param_hint="--seeds") from None
-    from cachepilot.lab.vllm_report import meets, write_outputs
-    from cachepilot.lab.vllm_study import StudyConfig, run
+    from cachepilot.lab.vllm_report import bar_for, meets, write_outputs
 
-    requests = requests or StudyConfig.requests
-    cfg = StudyConfig(seeds=seed_list, requests=requests, workers=workers, outside=outside)
+    if api == "chat":
+        from cachepilot.lab.vllm_chat_study import ChatStudyConfig as Config
+        from cachepilot.lab.vllm_chat_study import run
+    else:
+        from cachepilot.lab.vllm_study import StudyConfig as Config
+        from cachepilot.lab.vllm_study import run
+
+    requests = requests or Config.requests
+    cfg = Config(seeds=seed_list, requests=requests, workers=workers, outside=outside,
+                 concurrency=concurrency)
     llama_only = dict.fromkeys(("rate", "seed", "groups", "cache_ram_mib", "slots"))
-    output = _output(ctx, out_dir, out_dir=out_dir, requests=requests, **llama_only)
+    output = _output(ctx, out_dir, out_dir=out_dir, requests=requests, log_dir=None,
+                     **llama_only)  # where the logs go does not change the results
     echo = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
     try:
         data = asyncio.run(run(cfg, default_venv(), Path(log_dir), echo))
@@ -365,7 +390,8 @@ def _real_model_vllm(ctx: click.Context, seeds: str, requests: int | None, worke
         click.echo(f"{name:12s} events P/R {ev['precision']}/{ev['recall']}  approximate P/R "
                    f"{ap['precision']}/{ap['recall']}  TTFT p50 hit {h['p50_s']} s "
                    f"(n={h['n']}) miss {m['p50_s']} s (n={m['n']})")
-    click.echo(f"bar (events P and R >= 0.98): {'met' if meets(pred) else 'MISSED'}; "
+    bar = bar_for(data["config"])
+    click.echo(f"bar (events P and R >= {bar:.2f}): {'met' if meets(pred, bar) else 'MISSED'}; "
                f"wrote {Path(out_dir) / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
 
 

@@ -88,7 +88,12 @@ def command_line(ctx: click.Context, **resolved: Any) -> str:
     """The command that reproduces this run: every option with the value it ran with
     (defaults spelled out, so a later change of default does not change what it means);
     ``resolved`` overrides values the command worked out itself (a trace found by default)."""
-    argv = ["cachepilot", *ctx.command_path.split()[1:]]
+    names: list[str] = []
+    c: click.Context | None = ctx
+    while c is not None and c.parent is not None:  # not the root's name: `python -m …`
+        names.insert(0, c.info_name or "")
+        c = c.parent
+    argv = ["cachepilot", *names]
     for p in ctx.command.params:
         if not isinstance(p, click.Option) or p.name is None:
             continue

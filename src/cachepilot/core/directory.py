@@ -365,8 +365,9 @@ class PrefixDirectory:
     def removed(self, worker: str, hashes: Iterable[int]) -> None:
         """The engine evicted these blocks: gone from the event set and, since the engine
         says so, from the routing-learned set too. Except blocks routed here in the current
-        generation: vLLM announces a step's evictions after the step, so the removal is of
-        the copy before that request, which computes the block again (it stays pending)."""
+        generation by a request not prefilled yet (:meth:`prefilled`): vLLM announces a
+        step's evictions after the step, so the removal is of the copy before that request,
+        which computes the block again (it stays pending)."""
         wb = self._workers.get(worker)
         if wb is None:
             return
@@ -385,6 +386,21 @@ class PrefixDirectory:
                 self._clear(h, bit)
                 wb.last_chain = None
                 wb.closed = False  # its descendants may still be held
+
+    def prefilled(self, worker: str, hashes: Iterable[int]) -> None:
+        """The request that routed these blocks here has been prefilled (its first token,
+        or its end): whatever it stored is announced by now (vLLM publishes a step's events
+        before its output), so its blocks the events name stop being pending, and a later
+        removal of one is a real eviction, believed at once (:meth:`removed` keeps only
+        blocks a request still on its way will compute again). Blocks not announced stay
+        pending until they are, or age out."""
+        wb = self._workers.get(worker)
+        if wb is None or not wb.pending:
+            return
+        events, pending = wb.events, wb.pending
+        for h in hashes:
+            if h in events:
+                pending.pop(h, None)
 
     def cleared(self, worker: str) -> None:
         """The engine dropped every block (AllBlocksCleared, or a restart): both sets empty."""

@@ -255,6 +255,8 @@ class Router:
         if w is not None:
             w.pending_requests = max(0, w.pending_requests - 1)
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
+            # What it stored is announced by now: a later removal is a real eviction.
+            pool.directory.prefilled(decision.chosen, decision.hashes)
         return True
 
 

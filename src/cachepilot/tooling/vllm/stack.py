@@ -69,6 +69,7 @@ class VllmStack:
     first_byte_timeout_s: float = 600.0
     stall_after_s: float = 120.0
     ready_timeout_s: float = 600.0
+    decision_log: str | None = None  # an LMDB folder: the admin API's /decisions/{id}
     processes: Processes = field(default_factory=lambda: Processes(Path()))
     hosts: list[str] = field(default_factory=list)
     worker_port: int = 0
@@ -150,7 +151,40 @@ class VllmStack:
                 "--vllm-hash-seed", self.spec.hash_seed,
                 "--kv-events-port", str(self.events_port),
                 "--cost", f"max_batch={self.spec.max_num_seqs}",
-                "--stall-after", f"{self.stall_after_s:.0f}"]
+                "--stall-after", f"{self.stall_after_s:.0f}",
+                *(["--decision-log", self.decision_log] if self.decision_log else [])]
+
+    def restart_gateway(self, policy: str | None = None, decision_log: str | None = None,
+                        timeout_s: float = 60.0) -> None:
+        """The gateway again on the same ports (Envoy keeps calling it there), with
+        ``policy`` and ``decision_log`` if given: a fresh process whose directory is read
+        from each worker's event history (replayed from batch 0), exact before it returns."""
+        self.policy = policy or self.policy
+        self.decision_log = decision_log or self.decision_log
+        proc = self.processes.procs.pop("gateway", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.processes.spawn("gateway", self.gateway_args())
+        self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
+                                  gateway_admin_url=self.admin_url)
+        self.wait_exact(timeout_s)
+
+    def decision(self, decision_id: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """The gateway's record of one decision (needs ``decision_log``); None if it never
+        appears (the log commits in batches)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
+            if code == 200:
+                return json.loads(body)["record"]
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
 
     def workers_status(self) -> list[dict[str, Any]]:
         code, body = http_get(f"{self.admin_url}/workers", timeout=5.0)
