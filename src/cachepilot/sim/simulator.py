@@ -255,7 +255,8 @@ class Simulator:
                 arrivals += 1
                 try:
                     d = router.route(InferenceRequest(model=MODEL, max_tokens=r.max_tokens,
-                                                      fingerprint=r.fp, user_start=r.user_start),
+                                                      fingerprint=r.fp, user_start=r.user_start,
+                                                      prefix_key=r.prefix_key),
                                      t, f"r{r.id}")
                 except RoutingError as exc:  # the router's plugins have heard of it
                     out.rejected = exc.code
