@@ -6,22 +6,26 @@ replicas (requests spread over them at random, as Envoy spreads ext_proc streams
 route alone or share placements and in-flight bookings over a bus (cachepilot.core.sync, a
 2 ms one-way delay); one more case puts 4 synced replicas behind a Kubernetes-like Service
 (each client keeps a replica per connection). Every case is compared with one replica,
-paired by seed: hit rate in points, p90 TTFT in %.
+paired by seed: hit rate in points (:func:`cachepilot.lab.stats.paired_difference`), TTFT
+percentiles as the geometric mean of the per-seed ratios
+(:func:`cachepilot.lab.stats.paired_ratio`); the comparisons are adjusted together with
+Holm's method.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.output import StudyOutput, seeds_phrase
 from cachepilot.lab.parallel import Progress
 from cachepilot.lab.peers import METRICS, run_seeded, workloads
 from cachepilot.lab.plots import plt
-from cachepilot.lab.stats import ci95, paired
+from cachepilot.lab.stats import adjust, ci95, paired_difference, paired_ratio
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.simulator import Simulator
 from cachepilot.sim.workloads import generate
@@ -49,10 +53,10 @@ def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
     return {"workload": name, "seed": seed, "runs": runs}
 
 
-def run_all(seeds: int, trace: Path | None, processes: int | None = None,
+def run_all(seeds: Sequence[int], trace: Path | None, processes: int | None = None,
             progress: Progress | None = None) -> dict[str, Any]:
     results, wall_s = run_seeded(run_task, seeds, trace, processes, progress)
-    return {"results": results, "seeds": seeds, "wall_s": wall_s,
+    return {"results": results, "seeds": list(seeds), "wall_s": wall_s,
             "workloads": list(workloads(trace))}
 
 
@@ -70,9 +74,27 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             return [r["runs"][c][k] for r in rows]
 
         out[name] = {c: {"mean": {k: ci95(vals(c, k)) for k in KEYS},
-                         "vs_one": {k: paired(vals(c, k), vals("1", k)) for k in KEYS}}
-                     for c in CASES}
+                         "vs_one": {k: (paired_difference(vals(c, k), vals("1", k))
+                                        if k == "token_hit_rate" else
+                                        paired_ratio(vals(c, k), vals("1", k)))
+                                    for k in KEYS}}
+                     for c in CASES if c in rows[0]["runs"]}
+    adjust([t for _, t in family(out)])
     return out
+
+
+def family(stats: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The study's tests of a difference from one replica: every case's p90 TTFT and hit
+    rate, on every workload (adjusted together), each with its measure."""
+    return [(k, st[c]["vs_one"][k]) for st in stats.values() for c in st if c != "1"
+            for k in ("ttft_p90_s", "token_hit_rate")]
+
+
+def worse(key: str, t: dict[str, Any], adjusted: bool = True) -> bool:
+    """Significantly worse than one replica: a higher p90, or a lower hit rate."""
+    if not t.get("significant_holm" if adjusted else "significant"):
+        return False
+    return t["mean"] < 0 if key == "token_hit_rate" else t["mean"] > 0
 
 
 def meets(st: dict[str, Any], case: str = "4 synced") -> bool:
@@ -82,14 +104,24 @@ def meets(st: dict[str, Any], case: str = "4 synced") -> bool:
 
 
 def report(data: dict[str, Any], stats: dict[str, Any], fig: str) -> str:
+    fam = family(stats)
+    sig = {a: sum(bool(t.get("significant_holm" if a else "significant")) for _, t in fam)
+           for a in (True, False)}
+    bad = {a: sum(worse(k, t, a) for k, t in fam) for a in (True, False)}
     L = ["# Several gateway replicas, alone or sharing their state", "",
-         f"{data['seeds']} seeds, "
+         f"{seeds_phrase(data['seeds'])}: "
          f"{len(data['results'])} (workload, seed) tasks in {data['wall_s']:.0f} s. "
          "Requests reach a replica at random (Envoy's spread over the ext_proc cluster) unless "
          "the case says `service` (a client keeps its replica for a connection). `synced`: "
          f"placements and in-flight bookings shared over a bus with {BUS_DELAY_S * 1000:g} ms "
          "one-way delay (the gateway uses NATS). Differences are paired by seed against one "
-         "replica: hit rate in points, TTFT relative, with 95% intervals.", ""]
+         "replica: hit rate in points (its interval clipped to the possible), TTFT as the "
+         "geometric mean of the per-seed ratios, with 95% intervals. The "
+         f"{len(fam)} tests (every case's p90 and hit rate on every workload) are adjusted "
+         "together with Holm's method: **bold** where a difference is significant after it. "
+         f"Significantly different from one replica: {sig[True]} after adjustment, "
+         f"{bad[True]} of them worse (a higher p90 or a lower hit rate); before adjustment "
+         f"{sig[False]}, {bad[False]} worse.", ""]
     for name, st in stats.items():
         ok = "meets" if meets(st) else "**misses**"
         L += [f"## {name}", "", f"4 synced replicas {ok} the bar (hit rate within 2 points "
@@ -101,14 +133,19 @@ def report(data: dict[str, Any], stats: dict[str, Any], fig: str) -> str:
             dh, dp = d["token_hit_rate"], d["ttft_p90_s"]
             L.append(f"| {c} | " + " | ".join(f"{m[k]['mean'] * 1000:.1f}" for k in METRICS)
                      + f" | {m['token_hit_rate']['mean']:.3f} | "
-                     + ("–" if c == "1" else
-                        f"{dh['mean'] * 100:+.1f} [{dh['lo'] * 100:+.1f}, {dh['hi'] * 100:+.1f}]")
-                     + " | " + ("–" if c == "1" else
-                                f"{dp['rel']:+.1%} [{dp['rel_lo']:+.1%}, {dp['rel_hi']:+.1%}]")
+                     + ("–" if c == "1" else _bold(
+                         dh, f"{dh['mean'] * 100:+.1f} [{dh['lo'] * 100:+.1f}, "
+                             f"{dh['hi'] * 100:+.1f}]"))
+                     + " | " + ("–" if c == "1" else _bold(
+                         dp, f"{dp['rel']:+.1%} [{dp['rel_lo']:+.1%}, {dp['rel_hi']:+.1%}]"))
                      + " |")
         L.append("")
     L += ["## Plot", "", f"![{fig}]({fig})", ""]
     return "\n".join(L)
+
+
+def _bold(t: dict[str, Any], text: str) -> str:
+    return f"**{text}**" if t.get("significant_holm") else text
 
 
 def plot(stats: dict[str, Any], output: StudyOutput) -> str:

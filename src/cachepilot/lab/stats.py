@@ -222,26 +222,3 @@ def counts(tests: Iterable[dict[str, Any]], lower_is_better: bool = True
         out["holm"][direction(t, True, lower_is_better)] += 1
     return out
 
-
-def parse_seeds(text: str) -> tuple[int, ...]:
-    """``"100-109"`` (a range, both ends included), ``"1,2,5"`` or ``"10"`` (a count: seeds
-    0 to 9, for the commands that always took one) → the seeds."""
-    text = text.strip()
-    try:
-        if "-" in text:
-            lo, _, hi = text.partition("-")
-            first, last = int(lo), int(hi)
-            if last < first:
-                raise ValueError
-            return tuple(range(first, last + 1))
-        if "," in text:
-            seeds = tuple(int(s) for s in text.split(",") if s.strip())
-            if len(set(seeds)) != len(seeds):
-                raise ValueError
-            return seeds
-        n = int(text)
-        if n < 1:
-            raise ValueError
-        return tuple(range(n))
-    except ValueError:
-        raise ValueError(f"{text!r}: a range A-B, a list A,B,C or a count N") from None
