@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo up test test-all test-real-model real-peers bench experiment e2e clean
+.PHONY: demo up test test-all test-real-model real-peers bench experiment sim-studies e2e clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ bench: $(VENV)/.installed
 
 experiment: $(VENV)/.installed
 	$(BIN)/cachepilot experiment seed-claims --out runs/seed-claims
+
+# The simulated headline studies on the evaluation seeds (never used to choose anything), into
+# docs/results/: what the README reports. Deterministic (virtual clock); ~1-2 h on 2 busy cores.
+EVAL_SEEDS ?= 100-109
+sim-studies: $(VENV)/.installed
+	$(BIN)/cachepilot experiment peers --seeds $(EVAL_SEEDS) --out docs/results/peers
+	$(BIN)/cachepilot experiment replicas --seeds $(EVAL_SEEDS) --out docs/results/replicas
+	$(BIN)/cachepilot experiment seed-claims --seeds $(EVAL_SEEDS) --out docs/results/seed-claims
 
 e2e: $(VENV)/.installed  # needs Docker and kind
 	$(BIN)/python -m pytest e2e -m e2e -s

@@ -78,7 +78,8 @@ class Workers:
             self.seen.append((name, prompt))
             if HOLD in prompt:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.release.wait(), 60)
+                    async with asyncio.timeout(60):
+                        await self.release.wait()
             return web.json_response({
                 "id": "x", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": name, "finish_reason": "stop"}],

@@ -105,6 +105,9 @@ class WorkloadSpec:
     think_s: float = 8.0
     # shared_prefix: share of requests whose document is their own (nothing else shares it)
     p_unique: float = 0.0
+    # shared_prefix / bursty: requests that arrive at the same instant at each arrival (a
+    # client's fan-out; a trace whose timestamps group requests, as Mooncake's can)
+    together: Dist = Dist(1)
     # trace: a file in CachePilot's JSONL format or Mooncake's (detected), its arrivals
     # sped up ``rate_scale`` times; with ``sample`` < 1, each seed keeps that share of the
     # trace's prefix groups (requests whose first block is the same: a conversation or a
@@ -272,6 +275,9 @@ def _shared_prefix(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> l
         times = mmpp_arrivals(rng, spec.burst_high, spec.burst_low, spec.duration)
     else:
         times = poisson_arrivals(rng, spec.rate, spec.duration)
+    if spec.together != Dist(1):  # its own generator: other workloads' draws stay the same
+        rng_t = np.random.default_rng([seed, _KIND_IDS[spec.kind], 11])
+        times = np.repeat(times, spec.together.draw(rng_t, len(times)))
     n = len(times)
     prefix_len = spec.prefix.draw(rng, spec.groups)
     group = rng.integers(0, spec.groups, size=n)
