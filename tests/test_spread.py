@@ -97,3 +97,15 @@ def test_synced_replicas_place_a_group_like_one_replica() -> None:
         rep.sync.spread.heard = lambda *a: None  # never hears the others: no split
     unsplit = spread_of(off)
     assert synced >= one - 1.0 and synced > unsplit
+
+
+def test_together_brings_requests_at_the_same_instant_and_leaves_others_alone() -> None:
+    from cachepilot.sim import WorkloadSpec
+
+    base = WorkloadSpec("bursty", duration=20.0)
+    assert [r.arrival for r in generate(base, 4).requests] == [
+        r.arrival for r in generate(base.with_(together=Dist(1)), 4).requests]
+    grouped = generate(base.with_(together=Dist(3)), 4).requests
+    times = [r.arrival for r in grouped]
+    assert len(times) % 3 == 0 and all(times[i] == times[i + 1] == times[i + 2]
+                                       for i in range(0, len(times), 3))

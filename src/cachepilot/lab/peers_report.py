@@ -76,11 +76,22 @@ def summary(data: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
                            **counts(t for *_, t in core)},
         "by_workload": {w: counts(t for ww, _, _, t in allc if ww == w) for w in stats},
         "by_peer": {p: counts(t for _, pp, _, t in allc if pp == p) for p in peers},
-        "losses": [{"workload": w, "peer": p, "metric": k, "rel": t["rel"],
-                    "rel_lo": t["rel_lo"], "rel_hi": t["rel_hi"], "p": t["p"],
-                    "p_holm": t["p_holm"]}
-                   for w, p, k, t in allc if direction(t) == "loss"],
+        "losses": [_row(w, p, k, t) for w, p, k, t in allc
+                   if direction(t, adjusted=True) == "loss"],
+        "raw_losses": [_row(w, p, k, t) for w, p, k, t in allc
+                       if direction(t) == "loss" and direction(t, adjusted=True) != "loss"],
     }
+
+
+def _row(workload: str, peer: str, metric: str, t: dict[str, Any]) -> dict[str, Any]:
+    return {"workload": workload, "peer": peer, "metric": metric, "rel": t["rel"],
+            "rel_lo": t["rel_lo"], "rel_hi": t["rel_hi"], "p": t["p"], "p_holm": t["p_holm"]}
+
+
+def _listed(rows: list[dict[str, Any]]) -> str:
+    return "; ".join(f"{x['workload']} {x['metric'][5:8]} against {x['peer']} {x['rel']:+.1%} "
+                     f"[{x['rel_lo']:+.1%}, {x['rel_hi']:+.1%}] (p {x['p']:.3f}, Holm "
+                     f"{x['p_holm']:.2f})" for x in rows) + "."
 
 
 def verdict(d: dict[str, Any]) -> str:
@@ -134,12 +145,10 @@ def report(data: dict[str, Any], stats: dict[str, Any], figs: list[str]) -> str:
          "default without its eviction term: an ablation, outside the family.", "",
          f"**All workloads:** {_count_line(sm['all'])}.", "",
          f"**{', '.join(core['workloads'])}:** {_count_line(core)}.", ""]
-    if sm["losses"]:
-        L += ["**Holm-significant losses:** " + "; ".join(
-            f"{x['workload']} {x['metric'][5:8]} against {x['peer']} {x['rel']:+.1%} "
-            f"[{x['rel_lo']:+.1%}, {x['rel_hi']:+.1%}]" for x in sm["losses"]) + ".", ""]
-    else:
-        L += ["**No Holm-significant loss.**", ""]
+    L += [("**Holm-significant losses:** " + _listed(sm["losses"]) if sm["losses"]
+           else "**No Holm-significant loss.**")
+          + (" Significant before adjustment only: " + _listed(sm["raw_losses"])
+             if sm["raw_losses"] else ""), ""]
     L += predictor_section(stats)
     for name, st in stats.items():
         L += [f"## {name}", "", _what(data["workloads"][name]), "",

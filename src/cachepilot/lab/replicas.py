@@ -143,11 +143,23 @@ def report(data: dict[str, Any], stats: dict[str, Any], fig: str) -> str:
          "together with Holm's method: **bold** where a difference is significant after it. "
          f"Significantly different from one replica: {sig[True]} after adjustment, "
          f"{bad[True]} of them worse (a higher p90 or a lower hit rate); before adjustment "
-         f"{sig[False]}, {bad[False]} worse.", ""]
+         f"{sig[False]}, {bad[False]} worse.", "",
+         "The workloads are the peers study's paged ones and `grouped`, what a production "
+         "conversation trace did to synced replicas (issue 24) without the trace: long "
+         "prompts, few shared, bursts whose arrivals each bring 1-7 requests at the same "
+         "instant, on eight workers. Requests that arrive together at different replicas are "
+         "routed before any replica hears of the others; synced replicas split such "
+         "near-ties between them (`cachepilot.core.spread`).", ""]
+    specs = data.get("specs", {})
     for name, st in stats.items():
         ok = "meets" if meets(st) else "**misses**"
-        L += [f"## {name}", "", f"4 synced replicas {ok} the bar (hit rate within 2 points "
-              "of one replica's, p90 within 10 %).", "",
+        sp = specs.get(name)
+        what = ([f"{sp['spec']['kind']}, {sp['workers']} workers.", ""]
+                if sp and sp["spec"]["kind"] == "trace" else
+                [f"{sp['spec']['kind']}, {sp['workers']} workers, "
+                 f"{sp['spec']['duration']:g} s of arrivals.", ""] if sp else [])
+        L += [f"## {name}", "", *what, f"4 synced replicas {ok} the bar (hit rate within 2 "
+              "points of one replica's, p90 within 10 %).", "",
               "| replicas | p50 ms | p90 ms | p99 ms | hit rate | Δ hit (points) | Δ p90 |",
               "|---|---|---|---|---|---|---|"]
         for c, v in st.items():
