@@ -279,7 +279,7 @@ def test_claims_are_computed_from_the_runs(monkeypatch, tmp_path):
 
     short = {k: v.with_(duration=v.duration / 6) for k, v in runs.WORKLOADS.items()}
     monkeypatch.setattr(runs, "WORKLOADS", short)
-    data = seed_claims.run_all(2, processes=1)
+    data = seed_claims.run_all(range(2), processes=1)
     claims, doc = seed_claims.write_outputs(data, StudyOutput(tmp_path, "cachepilot experiment"))
     assert doc["setup"]["workloads"]["shared"]["duration"] == short["shared"].duration
     ids = {c.id for c in claims}
