@@ -5,14 +5,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo up test test-all test-real-model real-peers bench experiment e2e clean docs docs-serve
+.PHONY: demo up test test-all test-real-model real-peers bench experiment sim-studies e2e clean docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# The peer routers' wheels too (Rust binaries, ~160 MB installed): tests/test_peer_routers_live.py
+# probes them.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,peers]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -55,6 +57,14 @@ bench: $(VENV)/.installed
 
 experiment: $(VENV)/.installed
 	$(BIN)/cachepilot experiment seed-claims --out runs/seed-claims
+
+# The simulated headline studies on the evaluation seeds (never used to choose anything), into
+# docs/results/: what the README reports. Deterministic (virtual clock); ~1-2 h on 2 busy cores.
+EVAL_SEEDS ?= 100-109
+sim-studies: $(VENV)/.installed
+	$(BIN)/cachepilot experiment peers --seeds $(EVAL_SEEDS) --out docs/results/peers
+	$(BIN)/cachepilot experiment replicas --seeds $(EVAL_SEEDS) --out docs/results/replicas
+	$(BIN)/cachepilot experiment seed-claims --seeds $(EVAL_SEEDS) --out docs/results/seed-claims
 
 e2e: $(VENV)/.installed  # needs Docker and kind
 	$(BIN)/python -m pytest e2e -m e2e -s

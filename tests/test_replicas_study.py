@@ -17,7 +17,7 @@ def fake(hit_loss: float, p90_gain: float) -> dict:
             runs[case] = {"ttft_p50_s": 0.03, "ttft_p90_s": p90, "ttft_p99_s": 0.5,
                           "token_hit_rate": hit, "imbalance_assigned": 1.1, "requests": 100}
         results.append({"workload": "shared", "seed": seed, "runs": runs})
-    return {"results": results, "seeds": 4, "wall_s": 1.0, "workloads": ["shared"]}
+    return {"results": results, "seeds": [0, 1, 2, 3], "wall_s": 1.0, "workloads": ["shared"]}
 
 
 def test_the_bar_is_two_points_of_hit_rate_and_ten_percent_of_p90(tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ from cachepilot.cli.study_options import (
     StudyOption,
     command_line,
     names,
+    parse_seeds,
     require_extra,
+    seeds_callback,
 )
 
 if TYPE_CHECKING:
@@ -29,6 +31,15 @@ _REAL_PEERS = "cachepilot.lab.real_peers"
 _TRAFFIC = "cachepilot.lab.real_traffic"
 _LLAMA_SPEC = "cachepilot.tooling.llamacpp.worker:LlamaWorkerSpec"
 _ROUTERS = "cachepilot.tooling.llamacpp.routers:ROUTERS"
+_SEEDS_HELP = ("A range A-B, a list A,B,C or a count N (seeds 0 to N-1). Seeds 0-9 are the "
+               "development seeds; the committed results use 100-109.")
+
+
+def _seeds_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--seeds``: which seeds each workload is drawn with (default: the development
+    seeds)."""
+    return click.option("--seeds", default="0-9", show_default=True,
+                        callback=seeds_callback(2), help=_SEEDS_HELP)(f)
 
 
 def _joined(values: tuple[str, ...] | dict[str, Any]) -> str:
@@ -51,13 +62,13 @@ def experiment_group() -> None:
 
 
 @experiment_group.command("seed-claims")
-@click.option("--seeds", default=10, show_default=True, type=click.IntRange(2, 200))
+@_seeds_option
 @click.option("--out", "out_dir", default="seed-claims", show_default=True,
               type=click.Path(file_okay=False))
 @click.option("--processes", default=None, type=click.IntRange(1),
               help="Worker processes (default: ≤2).")
 @click.pass_context
-def seed_claims_cmd(ctx: click.Context, seeds: int, out_dir: str,
+def seed_claims_cmd(ctx: click.Context, seeds: str, out_dir: str,
                     processes: int | None) -> None:
     """Re-measure the original study's claims across seeds; write report.md, results.json
     and plots to OUT."""
@@ -68,7 +79,7 @@ def seed_claims_cmd(ctx: click.Context, seeds: int, out_dir: str,
     console = Console(stderr=True)
     t0 = time.perf_counter()
     with _progress() as tick:
-        data = seed_claims.run_all(seeds, processes, tick)
+        data = seed_claims.run_all(parse_seeds(seeds), processes, tick)
     out = Path(out_dir)
     claims, doc = seed_claims.write_outputs(data, _output(ctx, out_dir))
     sp = doc["speed"]
@@ -101,7 +112,7 @@ def _mooncake_trace(trace_path: str | None) -> Path | None:
 
 
 @experiment_group.command("replicas")
-@click.option("--seeds", default=10, show_default=True, type=click.IntRange(2, 200))
+@_seeds_option
 @click.option("--out", "out_dir", default="replicas", show_default=True,
               type=click.Path(file_okay=False))
 @click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
@@ -109,7 +120,7 @@ def _mooncake_trace(trace_path: str | None) -> Path | None:
 @click.option("--processes", default=None, type=click.IntRange(1),
               help="Worker processes (default: ≤2).")
 @click.pass_context
-def replicas_cmd(ctx: click.Context, seeds: int, out_dir: str, trace_path: str | None,
+def replicas_cmd(ctx: click.Context, seeds: str, out_dir: str, trace_path: str | None,
                  processes: int | None) -> None:
     """1, 2, 4 and 8 gateway replicas, alone or sharing their state, against one replica,
     paired by seed; write report.md, results.json and a plot to OUT."""
@@ -117,7 +128,7 @@ def replicas_cmd(ctx: click.Context, seeds: int, out_dir: str, trace_path: str |
 
     trace = _mooncake_trace(trace_path)
     with _progress() as tick:
-        data = replicas_study.run_all(seeds, trace, processes, tick)
+        data = replicas_study.run_all(parse_seeds(seeds), trace, processes, tick)
     stats = replicas_study.write_outputs(data, _output(ctx, out_dir, trace_path=trace))
     for name, st in stats.items():
         for case in ("4 alone", "4 synced"):
@@ -130,7 +141,7 @@ def replicas_cmd(ctx: click.Context, seeds: int, out_dir: str, trace_path: str |
 
 
 @experiment_group.command("peers")
-@click.option("--seeds", default=10, show_default=True, type=click.IntRange(2, 200))
+@_seeds_option
 @click.option("--out", "out_dir", default="peers", show_default=True,
               type=click.Path(file_okay=False))
 @click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
@@ -138,31 +149,43 @@ def replicas_cmd(ctx: click.Context, seeds: int, out_dir: str, trace_path: str |
                    "mooncake_synthetic_trace.jsonl beside the checkout, when present).")
 @click.option("--processes", default=None, type=click.IntRange(1),
               help="Worker processes (default: ≤2).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print wins, losses and n.s. counts, raw and Holm-adjusted, as JSON.")
 @click.pass_context
-def peers_cmd(ctx: click.Context, seeds: int, out_dir: str, trace_path: str | None,
-              processes: int | None) -> None:
-    """The default policy against the peer routers' models, paired by seed; write
-    report.md, results.json and plots to OUT."""
+def peers_cmd(ctx: click.Context, seeds: str, out_dir: str, trace_path: str | None,
+              processes: int | None, as_json: bool) -> None:
+    """The default policy against the peer routers' models and round robin, paired by
+    seed; write report.md, results.json and plots to OUT."""
     from cachepilot.lab import peers as peers_study
+    from cachepilot.lab import peers_report
 
     trace = _mooncake_trace(trace_path)
-    with _progress() as tick:
-        data = peers_study.run_all(seeds, trace, processes, tick)
-    stats = peers_study.write_outputs(data, _output(ctx, out_dir, trace_path=trace))
-    for name, st in stats.items():
+    with _progress(quiet=as_json) as tick:
+        data = peers_study.run_all(parse_seeds(seeds), trace, processes, tick)
+    out = peers_report.write_outputs(data, _output(ctx, out_dir, trace_path=trace))
+    if as_json:
+        click.echo(orjson.dumps({**out["summary"], "out": str(Path(out_dir))},
+                                option=orjson.OPT_SERIALIZE_NUMPY).decode())
+        return
+    for name, st in out["stats"].items():
         for peer, d in st["vs"].items():
-            click.echo(f"{name:9s} vs {peer:18s} " + "  ".join(
-                f"{k[5:8]} {d[k]['rel']:+6.1%} {peers_study.verdict(d[k]).strip('*'):5s}"
+            click.echo(f"{name:13s} vs {peer:28s} " + "  ".join(
+                f"{k[5:8]} {d[k]['rel']:+6.1%} {peers_report.verdict(d[k]).strip('*'):10s}"
                 for k in peers_study.METRICS))
+    c = out["summary"]["all"]
+    click.echo(f"{out['summary']['family']} comparisons: Holm {c['holm']}, raw {c['raw']}")
     click.echo(f"wrote {Path(out_dir) / 'report.md'} in {data['wall_s']:.0f} s", err=True)
 
 
 @contextmanager
-def _progress() -> Iterator[Callable[[int, int, str], None]]:
-    """A progress bar on stderr for a study's tasks."""
+def _progress(quiet: bool = False) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr for a study's tasks (none when ``quiet``)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    if quiet:
+        yield lambda i, n, what: None
+        return
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True)) as prog:

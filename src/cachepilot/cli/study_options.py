@@ -115,3 +115,50 @@ def require_extra(extra: str, *modules: str) -> None:
     if missing:
         raise click.ClickException(f"this study needs {', '.join(missing)}: pip install "
                                    f"'cachepilot[{extra}]'")
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"100-109"`` (a range, both ends included), ``"1,2,5"`` or ``"10"`` (a count: seeds
+    0 to 9, as the option always took) → the seeds; ValueError otherwise."""
+    text = text.strip()
+    try:
+        if "-" in text:
+            lo, _, hi = text.partition("-")
+            first, last = int(lo), int(hi)
+            if first < 0 or last < first:
+                raise ValueError
+            return tuple(range(first, last + 1))
+        if "," in text:
+            seeds = tuple(int(s) for s in text.split(",") if s.strip())
+            if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+                raise ValueError
+            return seeds
+        n = int(text)
+        if n < 1:
+            raise ValueError
+        return tuple(range(n))
+    except ValueError:
+        raise ValueError(f"{text!r}: a range A-B, a list A,B,C or a count N") from None
+
+
+def seeds_text(seeds: tuple[int, ...]) -> str:
+    """The seeds as the option spells them: ``A-B`` when consecutive, else ``A,B,C``."""
+    if len(seeds) > 1 and seeds == tuple(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ",".join(map(str, seeds))
+
+
+def seeds_callback(at_least: int = 2) -> Callable[[click.Context, click.Parameter, str], str]:
+    """A ``--seeds`` callback: the value checked and spelled canonically (so the command
+    written into a study's folder names the seeds, not a count)."""
+
+    def check(_ctx: click.Context, param: click.Parameter, value: str) -> str:
+        try:
+            seeds = parse_seeds(str(value))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param=param) from None
+        if len(seeds) < at_least:
+            raise click.BadParameter(f"{value!r}: at least {at_least} seeds", param=param)
+        return seeds_text(seeds)
+
+    return check

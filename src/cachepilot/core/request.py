@@ -52,12 +52,16 @@ class InferenceRequest:
     kind: str = "completion"
     fingerprint: Any = None  # cachepilot.core.fingerprint.Fingerprint, set by the simulator
     # Token offset where the user's own content starts (after shared system text), when the
-    # driver knows it (the simulator); policies modelled on prefix-hash routers key on it.
+    # driver knows it (the simulator).
     user_start: int = 0
     # The parsed JSON body, for what the engine's own prompt path reads beyond the prompt
     # (chat fields, cache_salt, add_special_tokens: cachepilot.core.vllm_prompt). Never
     # recorded.
     body: Any = field(default=None, repr=False, compare=False)
+    # A hash of the first 100 characters of the first user message (of the prompt, for
+    # completions), when the driver knows it (the simulator): what KubeAI's prefix-hash
+    # routing keys on; nothing else reads it.
+    prefix_key: int | None = None
 
 
 def inference_path(path: str) -> str | None:

@@ -24,6 +24,7 @@ from cachepilot.core.policies import Context, pick
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.prefix_cache import Fingerprinter
 from cachepilot.core.request import InferenceRequest, RequestError
+from cachepilot.core.spread import ReplicaSpread
 from cachepilot.core.vllm_prompt import VllmPrompts, engine_fingerprint
 
 
@@ -41,13 +42,22 @@ class Router:
         # The engines' prompt path (tokenizer, chat template, LoRA adapters) for pools that
         # hash as vLLM does and have none of their own (Pool.prompts).
         self.prompts = prompts
-        self.plugins: tuple[Plugin, ...] = tuple(plugins)
+        self.plugins: tuple[Plugin, ...] = ()
+        # Set when this router is one of several replicas (its ReplicaSync's): how near-ties
+        # are split between replicas routing at the same moment (cachepilot.core.spread).
+        self.spread: ReplicaSpread | None = None
+        for plugin in plugins:
+            self.add_plugin(plugin)
         self._id_prefix = id_prefix if id_prefix is not None else os.urandom(4).hex()
         self._counter = 0
 
     def add_plugin(self, plugin: Plugin) -> None:
-        """Register a lifecycle plugin; it sees every request routed from now on."""
+        """Register a lifecycle plugin; it sees every request routed from now on. A replica
+        sync plugin also brings the replicas' tie spreading."""
         self.plugins = (*self.plugins, plugin)
+        spread = getattr(plugin, "spread", None)
+        if isinstance(spread, ReplicaSpread):
+            self.spread = spread
 
     def add_pool(self, pool: Pool) -> None:
         self.pools[pool.name] = pool
@@ -195,15 +205,24 @@ class Router:
         values = pool.policy.values(eligible, ctx)
         for c, v in zip(eligible, values, strict=True):
             c.value = v
-        i, margin = pick(values, pool.policy.tie_tolerance, xxh3_64_intdigest(decision_id.encode()))
+        tie_key = xxh3_64_intdigest(decision_id.encode())
+        spread = self.spread
+        note = None
+        if spread is not None and spread.active(now):
+            i, margin, note = _spread_pick(spread, eligible, values, pool.policy.tie_tolerance,
+                                           tie_key, now)
+        else:
+            i, margin = pick(values, pool.policy.tie_tolerance, tie_key)
         chosen = eligible[i]
         pool.seq += 1
+        if spread is not None:
+            spread.picked(chosen.worker, now)
+        reason = _reason(chosen, eligible, margin) if note is None else f"{note}; {_hit(chosen)}"
         return Decision(
             id=decision_id, time=now, pool=pool.name, model=model, policy=pool.policy.name,
             weights=pool.spec.weights.to_dict(), seq=ctx.seq, tokens=fp.tokens,
             block_size=fp.block_size, hashes=fp.hashes, candidates=cands,
-            chosen=chosen.worker, margin_ms=margin, reason=_reason(chosen, eligible, margin),
-            fallback=fp.fallback,
+            chosen=chosen.worker, margin_ms=margin, reason=reason, fallback=fp.fallback,
         )
 
     def responded(self, decision: Decision, response: Response) -> None:
@@ -298,12 +317,37 @@ def _no_worker(pool: Pool, cands: list[Candidate], only: Collection[str] | None
                         retry_after_s=max(1.0, round(wait_ms / 1000.0)))
 
 
+def _spread_pick(spread: ReplicaSpread, eligible: list[Candidate], values: list[float],
+                 tolerance: float, tie_key: int, now: float) -> tuple[int, float, str | None]:
+    """(index, margin over the best other, why, when the replicas' split chose): among the
+    candidates within the replicas' tolerance of the best that hold as much of the prompt,
+    the one this replica's share says (cachepilot.core.spread)."""
+    best = max(values)
+    tol = spread.tolerance(best, tolerance)
+    # Only workers that hold as much of the prompt as the best one: a cached prefix is not
+    # given away to spread load (the replicas' views of hits agree: they share placements).
+    held = eligible[values.index(best)].matched_blocks
+    tied = [i for i, v in enumerate(values)
+            if v >= best - tol and eligible[i].matched_blocks == held]
+    i = spread.choose([c.worker for c in eligible], tied, now) if len(tied) > 1 else None
+    if i is None:
+        j, margin = pick(values, tolerance, tie_key)
+        return j, margin, None
+    others = [v for k, v in enumerate(values) if k != i]
+    return (i, values[i] - max(others) if others else 0.0,
+            f"{len(tied)} workers within {tol:.0f} ms of the best, split between replicas")
+
+
+def _hit(chosen: Candidate) -> str:
+    return (f"{chosen.matched_tokens} cached prompt tokens save {chosen.saved_ms:.0f} ms"
+            if chosen.matched_tokens else "no cached prefix anywhere useful")
+
+
 def _reason(chosen: Candidate, eligible: list[Candidate], margin: float) -> str:
     """One plain sentence for `cachepilot explain`."""
     if len(eligible) == 1:
         return "only eligible worker"
-    hit = (f"{chosen.matched_tokens} cached prompt tokens save {chosen.saved_ms:.0f} ms"
-           if chosen.matched_tokens else "no cached prefix anywhere useful")
+    hit = _hit(chosen)
     if margin <= 0:
         return f"tie broken by request hash; {hit}"
     return (f"{hit}; queue {chosen.queue_ms:.0f} ms, KV pressure {chosen.kv_ms:.0f} ms; "

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cachepilot.core.lifecycle import Outcome, Plugin
+from cachepilot.core.spread import ReplicaSpread
 
 if TYPE_CHECKING:
     from cachepilot.core.decision import Decision
@@ -141,6 +142,12 @@ class ReplicaSync(Plugin):
     _recent: deque[Placed] = field(default_factory=deque)
     _open: set[str] = field(default_factory=set)  # own requests not finished yet
     _heard: dict[str, float] = field(default_factory=dict)  # replica → its last heartbeat
+    # How this replica splits near-ties with the others it hears (the router uses it).
+    spread: ReplicaSpread | None = None
+
+    def __post_init__(self) -> None:
+        if self.spread is None:
+            self.spread = ReplicaSpread(self.replica, silent_after_s=self.silent_after_s)
 
     # -- this replica's lifecycle -------------------------------------------------------------
     def _emit(self, e: SyncEvent) -> None:
@@ -191,6 +198,8 @@ class ReplicaSync(Plugin):
         a catch-up snapshot: its placements are history, not arrivals now."""
         if e.replica == self.replica:
             return
+        if live and self.spread is not None:
+            self.spread.heard(e.replica, now)
         if isinstance(e, InFlight):
             self._reconcile(e, router, now)
             self.applied += 1

@@ -58,3 +58,10 @@ class StudyOutput:
             raise ValueError("a study's report starts with its '# title' and a blank line")
         (self._dir() / REPORT).write_text(f"{title}\n\n`{self.command}`\n\n{rest}")
         self.data(RESULTS, {"command": self.command, **results}, indent=True)
+
+
+def seeds_phrase(seeds: list[int]) -> str:
+    """How a report names its seeds: ``seeds 100–109`` (consecutive) or ``seeds 1, 5, 9``."""
+    if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"seeds {seeds[0]}–{seeds[-1]}"
+    return "seeds " + ", ".join(map(str, seeds))

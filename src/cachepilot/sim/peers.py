@@ -1,98 +1,51 @@
-"""Peer routing policies, modelled on what each project ships, for the simulator's studies.
-:data:`SIM_POLICIES` is what the simulator can run: the live policies and these.
+"""Peer routing policies, modelled on the versions the real-worker study runs, for the
+simulator's studies. :data:`SIM_POLICIES` is what the simulator can run: the live policies
+and these.
 
-A peer is a core :class:`Policy`: it values the candidates (per-worker matched blocks, scraped
-load, router in-flight counts) with the request's fingerprint in its context, and peers that
-keep state of their own (SGLang's radix tree, Dynamo's active-block counts) update it in the
-typed lifecycle hooks (``on_routed``, ``on_finish``) that the router calls. They are not in
-:data:`~cachepilot.core.policies.LIVE_POLICIES`: a live pool cannot select them (they model
-another router, and some need what only the simulator knows, such as where user content
-starts).
+A peer is a core :class:`Policy`: it values the candidates (router in-flight counts, scraped
+metrics, its own index of what it routed) with the request's fingerprint in its context, and
+peers that keep state of their own (the radix trees, GIE's block index, Dynamo's active
+blocks) update it in the typed lifecycle hooks (``on_routed``, ``on_finish``) the router
+calls. They are not in :data:`~cachepilot.core.policies.LIVE_POLICIES`: a live pool cannot
+select them (they model another router, and some need what only the simulator knows, such
+as each request's first user message).
+
+Which version, and where each behaviour is in its code: the class docstrings, and
+docs/research/peer-models.md (quotes, the live probe of the router wheels).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64_intdigest, xxh64_intdigest
 
 from cachepilot.core.decision import Candidate, Decision
 from cachepilot.core.lifecycle import Outcome
 from cachepilot.core.policies import LIVE_POLICIES, Context, Policy, Priced
-
-
-class SGLangCacheAware(Policy):
-    """SGLang router's ``cache_aware`` policy (sgl-project/sglang, sgl-router
-    ``src/policies/cache_aware.rs``; defaults from ``RouterConfig``/``launch_router``:
-    ``cache_threshold=0.3``, ``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``).
-
-    Load is the router's own count of in-flight requests per worker. The system is
-    *imbalanced* when ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold
-    * min``; then the least-loaded worker wins. Otherwise the request goes to the worker whose
-    approximate radix tree matches the longest prefix if the match rate (matched / request
-    length) exceeds ``cache_threshold``, else to the worker with the smallest tree. The tree
-    records every prompt routed to a worker and is only trimmed by size (``max_tree_size``
-    ≈ 67M characters, never reached here), so unlike CachePilot's directory it does not
-    follow engine evictions. Modelled at block granularity (16 tokens) instead of characters.
-    """
-
-    name = "sglang_cache_aware"
-
-    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5) -> None:
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-        self._trees: dict[str, set[int]] = {}
-        self._tree_tokens: dict[str, int] = {}
-
-    def _matched(self, worker: str, hashes: Sequence[int]) -> int:
-        tree = self._trees.get(worker, ())
-        n = 0
-        for h in hashes:
-            if h not in tree:
-                break
-            n += 1
-        return n
-
-    def on_routed(self, decision: Decision, pool: Any) -> None:
-        tree = self._trees.setdefault(decision.chosen, set())
-        new = [h for h in decision.hashes if h not in tree]
-        tree.update(new)
-        self._tree_tokens[decision.chosen] = (self._tree_tokens.get(decision.chosen, 0)
-                                              + len(new) * decision.block_size)
-
-    def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
-        loads = [c.inflight for c in cands]
-        hi, lo = max(loads), min(loads)
-        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
-            return [1.0 if ld == lo else 0.0 for ld in loads]
-        hashes = ctx.fingerprint.hashes if ctx.fingerprint is not None else ()
-        blocks = max(len(hashes), 1)
-        matched = [self._matched(c.worker, hashes) for c in cands]
-        best = max(matched)
-        if best / blocks > self.cache_threshold:
-            return [1.0 if m == best else 0.0 for m in matched]
-        sizes = [self._tree_tokens.get(c.worker, 0) for c in cands]
-        smallest = min(sizes)
-        return [1.0 if s == smallest else 0.0 for s in sizes]
+from cachepilot.sim.peer_trees import SGLangCacheAware, VLLMCacheAware, VLLMCacheAwareUntokenized
 
 
 class KubeAICHWBL(Policy):
     """KubeAI's ``PrefixHash`` load balancing: consistent hashing with bounded loads (CHWBL;
-    Mirrokni, Thorup, Zadimoghaddam 2018), defaults from the KubeAI Model CRD:
-    ``meanLoadFactor=125`` (%), ``replication=256``, ``prefixCharLength=100``.
+    Mirrokni, Thorup, Zadimoghaddam 2018), substratusai/kubeai at ``2f32ef49`` (2025-07-06,
+    the newest release's code): ``internal/loadbalancer/balance_chwbl.go``, ``group.go`` L70,
+    ``api/openai/v1/chat_completions.go`` ``Prefix`` L525-542, defaults from
+    ``api/k8s/v1/model_types.go``: ``meanLoadFactor=125`` (%), ``replication=256``,
+    ``prefixCharLength=100``.
 
-    The key is the first 100 characters of the request's user content (≈25 tokens at 4
-    characters per token); we take the chained hash of the block that ends at or before that
-    point, which identifies everything up to it. The key is placed on a ring with 256 points
-    per worker; walking clockwise, the first worker whose in-flight load is at most
-    ``1.25 × (total in-flight + 1) / workers`` wins (``internal/loadbalancer/
-    balance_chwbl.go``: the +1 simulates the new request in the mean only).
+    The key is ``adapter + Prefix(100)``: the first 100 characters of the *first user
+    message* (chat) or of the prompt (completions), nothing before or after it. The
+    simulator gives it as the request's ``prefix_key`` (:func:`cachepilot.sim.workloads.
+    prefix_key`: the first 25 tokens, at 4 characters a token, from where user content
+    starts, within the first user segment). The key is placed on a ring of
+    ``xxhash64(name + str(i))`` for i < 256 per worker; walking clockwise, the first worker
+    whose in-flight load is at most ``1.25 × (total in flight + 1) / workers`` wins (the
+    +1 in the mean only, since kubeai #528).
     """
 
     name = "kubeai_chwbl"
@@ -107,19 +60,22 @@ class KubeAICHWBL(Policy):
         self._members: tuple[str, ...] = ()
 
     def _build(self, workers: Sequence[str]) -> None:
-        ring = sorted((xxh3_64_intdigest(f"{w}#{i}".encode()), w)
+        ring = sorted((xxh64_intdigest(f"{w}{i}".encode()), w)
                       for w in workers for i in range(self.replication))
         self._ring = ring
         self._points = [p for p, _ in ring]
         self._members = tuple(sorted(workers))
 
     def _key(self, ctx: Context) -> int:
+        req = ctx.request
+        if req is not None and req.prefix_key is not None:
+            return req.prefix_key
+        # A driver that does not know the first user message: the prompt's first block
+        # (completions: the prompt's start is the key).
         fp = ctx.fingerprint
         if fp is None or not fp.hashes:
             return xxh3_64_intdigest(str(ctx.tokens).encode())
-        user_start = ctx.request.user_start if ctx.request is not None else 0
-        end_block = int((user_start + self.prefix_tokens) // fp.block_size)
-        return fp.hashes[max(0, min(end_block, len(fp.hashes)) - 1)]
+        return fp.hashes[0]
 
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
         names = tuple(sorted(c.worker for c in cands))
@@ -129,24 +85,25 @@ class KubeAICHWBL(Policy):
         total = sum(load.values())
         bound = self.load_factor * (total + 1) / len(cands)
         start = bisect.bisect_left(self._points, self._key(ctx))
-        chosen = None
         ring = self._ring
+        chosen = ring[start % len(ring)][1]  # upstream's fallback: the ring's first owner
         for k in range(len(ring)):
             w = ring[(start + k) % len(ring)][1]
             if total == 0 or load[w] <= bound:
                 chosen = w
                 break
-        if chosen is None:  # unreachable with a factor ≥ 1; upstream keeps the ring's owner
-            chosen = ring[start % len(ring)][1]
         return [1.0 if c.worker == chosen else 0.0 for c in cands]
 
 
 class PowerOfTwo(Policy):
-    """Power of two choices (Mitzenmacher 2001), as in sglang-router's and vllm-router's
-    ``power_of_two``: two distinct workers drawn at random, the less loaded wins. Load here
-    is the router's in-flight count (sglang-router refreshes engine-reported loads every
-    5 s and falls back to its own counts). Draws are seeded by the decision counter, so runs
-    are reproducible."""
+    """Power of two choices (Mitzenmacher 2001) as vllm-router 0.1.17's ``power_of_two``
+    runs it (``src/policies/power_of_two.rs``): two distinct workers drawn at random, the
+    one with fewer requests in flight wins (the first drawn on a tie). Load is the router's
+    in-flight count: ``tracks_request_load()`` is true (L99-104), and ``/get_load``, which
+    llama-server and vLLM do not serve, adds nothing when it fails. sglang-router 0.3.2's
+    ``power_of_two`` tracks no load (router.rs L294) and polls only ``/get_load``, so on
+    these workers it compares 0 with 0 and is uniform random: not this model. Draws are
+    seeded by the decision counter, so runs are reproducible."""
 
     name = "power_of_two"
 
@@ -163,16 +120,18 @@ class PowerOfTwo(Policy):
 
 class DynamoKV(Policy):
     """NVIDIA Dynamo's KV router with its defaults (ai-dynamo/dynamo
-    ``lib/llm/src/kv_router/scheduler.rs`` and ``sequence.rs``; docs/router/kv_cache_routing.md
-    "Cost Calculation"; ``KvRouterConfig::default``: ``overlap_score_weight=1.0``,
-    ``router_temperature=0``, output blocks not tracked)::
+    ``lib/kv-router/src/scheduling/selector/default.rs`` at ``07a6c9ce`` and
+    ``scheduling/config.rs`` at ``0243c51b``; the older ``lib/llm/src/kv_router/
+    scheduler.rs`` gives the same cost with these defaults)::
 
-        prefill_tokens = (isl − overlap × B) + active prefill tokens of the worker
+        prefill_blocks = (isl − overlap × B + active prefill tokens of the worker) / B
         decode_blocks  = |distinct blocks of its in-flight requests ∪ this request's blocks|
-        cost = overlap_score_weight × prefill_tokens / B + decode_blocks     (lowest wins)
+        cost = prefill_load_scale × prefill_blocks + decode_blocks          (lowest wins)
 
-    Active prefill tokens are the uncached tokens of requests routed there whose first token
-    has not come back (the core's pending prefill, as priced); in-flight blocks are
+    ``prefill_load_scale=1``, overlap credit 1, no decay, active-request weight 0,
+    temperature 0; ties uniformly at random (``minimum_cost_index``; here by the decision's
+    hash). Active prefill tokens are the uncached tokens of requests routed there whose first
+    token has not come back (the core's pending prefill, as priced); in-flight blocks are
     reference-counted, so a prefix shared by many in-flight requests counts once. Overlap
     comes from the core directory (Dynamo reads engine KV events: it sees a new prefix only
     once prefilled, which ours sees at routing; see docs/research/peer-models.md)."""
@@ -209,39 +168,83 @@ class DynamoKV(Policy):
 
 
 class GIEDefault(Policy):
-    """Gateway API Inference Extension endpoint picker, default scheduling profile
-    (kubernetes-sigs/gateway-api-inference-extension, default ``EndpointPickerConfig``):
-    ``queue-scorer`` weight 2, ``kv-cache-utilization-scorer`` weight 2,
-    ``prefix-cache-scorer`` weight 3, ``max-score-picker``.
+    """Gateway API Inference Extension endpoint picker, default scheduling profile, v1.5.0
+    (kubernetes-sigs/gateway-api-inference-extension ``df9f8909``, the last release with the
+    EPP; it moved to llm-d/llm-d-router in June 2026): ``pkg/epp/config/loader/defaults.go``
+    ``queue-scorer`` ×2, ``kv-cache-utilization-scorer`` ×2, ``prefix-cache-scorer`` ×3,
+    ``max-score-picker`` (shuffled, then sorted: ties at random).
 
-    queue: ``(max_q - q) / (max_q - min_q)`` over the candidates' scraped waiting queues
-    (1 when all equal); kv: ``1 - kv_usage``; prefix: matched blocks / request blocks over
-    the first ``max_prefix_blocks`` = 256 blocks of 16 tokens (64 characters) only, as the
-    approximate prefix plugin truncates its input (``maxPrefixBlocksToMatch``). GIE keeps its
-    own LRU index per server, filled on routing decisions like the core directory used here.
-    Sources and versions: docs/research/peer-models.md (weights 2/2/3 since v1.2)."""
+    * queue (``scorer/queuedepth/queue.go``): ``(max_q − q) / (max_q − min_q)``, 1 when all
+      are equal, ``q`` the scraped ``vllm:num_requests_waiting`` *as scraped*: not what this
+      router sent since, which only CachePilot adds.
+    * kv (``kvcacheutilization``): ``1 − vllm:kv_cache_usage_perc`` as scraped.
+    * prefix (``scorer/prefix``, producer ``dataproducer/approximateprefix``): matched /
+      total blocks, where the input is cut into blocks of ``4 × block size`` bytes (≈ one
+      16-token block at 4 characters a token), **only full blocks** are hashed, only the
+      first 256, and a prompt shorter than one block scores 0 everywhere. The EPP keeps its
+      own index, one LRU of block hashes per server of ``num_gpu_blocks`` entries (AutoTune;
+      31,250 when the engine does not say), filled for the chosen server after each
+      decision; a match walks the request's hashes and stops at the first one no server
+      holds, crediting every holder of each.
+
+    Its default engine config reads vLLM's metric names: in front of llama-server (slot
+    engines here) it sees no queue and no KV usage and ranks by prefix alone. Its scrape
+    runs every 50 ms (``pkg/epp/server/options.go``); the peers study gives it that.
+    """
 
     name = "gie_default"
+    DEFAULT_LRU_BLOCKS = 31_250
 
     def __init__(self, queue_weight: float = 2.0, kv_weight: float = 2.0,
                  prefix_weight: float = 3.0, max_prefix_blocks: int = 256) -> None:
         self.wq, self.wk, self.wp = queue_weight, kv_weight, prefix_weight
         self.max_blocks = max_prefix_blocks
-        self._bs = 16
+        self._index: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
 
-    def bind(self, pool) -> None:
-        self._bs = pool.spec.block.block_size
+    def on_routed(self, decision: Decision, pool: Any) -> None:
+        w = decision.chosen
+        lru = self._index.get(w)
+        if lru is None:  # sized when first filled, as upstream's (indexer.go Add)
+            m = decision.winner.state.metrics
+            cap = (m.num_blocks if m is not None and m.num_blocks else self.DEFAULT_LRU_BLOCKS)
+            lru = self._index[w] = OrderedDict()
+            self._capacity[w] = cap
+        cap = self._capacity[w]
+        for h in decision.hashes[:self.max_blocks]:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > cap:
+            lru.popitem(last=False)
+
+    @staticmethod
+    def _scraped(c: Candidate) -> tuple[int, float]:
+        """(waiting, KV usage) as the EPP reads them: vLLM's names only."""
+        m = c.state.metrics
+        if m is None or m.slots is not None:  # no metrics, or llama-server's
+            return 0, 0.0
+        return m.waiting, m.kv_usage or 0.0
 
     def values(self, cands: Sequence[Candidate], ctx: Context) -> list[float]:
-        qs = [c.waiting for c in cands]
+        scraped = [self._scraped(c) for c in cands]
+        qs = [q for q, _ in scraped]
         hi, lo = max(qs), min(qs)
-        blocks = min(self.max_blocks, max(1, -(-ctx.tokens // self._bs)))
+        fp = ctx.fingerprint
+        hashes = fp.hashes[:self.max_blocks] if fp is not None else ()
+        matched = [0] * len(cands)
+        lrus = [self._index.get(c.worker, {}) for c in cands]
+        for h in hashes:
+            holders = [i for i, lru in enumerate(lrus) if h in lru]
+            if not holders:
+                break
+            for i in holders:
+                matched[i] += 1
+        total = len(hashes)
         out = []
-        for c in cands:
-            q = 1.0 if hi == lo else (hi - c.waiting) / (hi - lo)
-            kv = 1.0 - c.kv_usage
-            prefix = min(1.0, min(c.matched_blocks, self.max_blocks) / blocks)
-            out.append(self.wq * q + self.wk * kv + self.wp * prefix)
+        for (q, kv), m in zip(scraped, matched, strict=True):
+            queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
+            prefix = m / total if total else 0.0
+            out.append(self.wq * queue + self.wk * (1.0 - kv) + self.wp * prefix)
         return out
 
 
@@ -256,8 +259,13 @@ class PricedNoEviction(Priced):
                                                    strict=True)]
 
 
-PEERS = (SGLangCacheAware, KubeAICHWBL, PowerOfTwo, DynamoKV, GIEDefault)
+PEERS = (SGLangCacheAware, VLLMCacheAware, VLLMCacheAwareUntokenized, KubeAICHWBL,
+         PowerOfTwo, DynamoKV, GIEDefault)
 PEER_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({p.name: p for p in PEERS})
 # What the simulator can run: every live policy, the peer models and the ablations.
 SIM_POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType(
     {**LIVE_POLICIES, **PEER_POLICIES, PricedNoEviction.name: PricedNoEviction})
+
+__all__ = ["PEERS", "PEER_POLICIES", "SIM_POLICIES", "DynamoKV", "GIEDefault", "KubeAICHWBL",
+           "PowerOfTwo", "PricedNoEviction", "SGLangCacheAware", "VLLMCacheAware",
+           "VLLMCacheAwareUntokenized"]

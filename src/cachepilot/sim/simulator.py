@@ -47,7 +47,10 @@ from cachepilot.sim.peers import SIM_POLICIES
 from cachepilot.sim.slot_engine import make_engine
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
 
-ARRIVAL, STEP_END, SCRAPE, SYNC = 0, 1, 2, 3
+ARRIVAL, STEP_END, SCRAPE, SYNC, HEARTBEAT = 0, 1, 2, 3, 4
+# Synced replicas send the ids they have in flight this often, as the gateway's bus does
+# (cachepilot.gateway.replica_bus): it is also how each hears that the others are routing.
+HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +235,8 @@ class Simulator:
         self.scrape(start)
         if interval > 0:
             self._push(start + interval, SCRAPE, None)
+        if self.cfg.sync_delay_s is not None and len(self.replicas) > 1:
+            self._heartbeat(start)
         stop_at = (None if self.cfg.drain_limit_s is None
                    else last_arrival + self.cfg.drain_limit_s)
         inflight: dict[int, tuple[Router, Decision, RequestResult]] = {}
@@ -255,7 +260,8 @@ class Simulator:
                 arrivals += 1
                 try:
                     d = router.route(InferenceRequest(model=MODEL, max_tokens=r.max_tokens,
-                                                      fingerprint=r.fp, user_start=r.user_start),
+                                                      fingerprint=r.fp, user_start=r.user_start,
+                                                      prefix_key=r.prefix_key),
                                      t, f"r{r.id}")
                 except RoutingError as exc:  # the router's plugins have heard of it
                     out.rejected = exc.code
@@ -295,6 +301,8 @@ class Simulator:
                 self.scrape(t)
                 if remaining:
                     self._push(t + interval, SCRAPE, None)
+            elif kind == HEARTBEAT:
+                self._heartbeat(t)
             else:  # SYNC: one replica's events reach the others
                 source, batch = payload
                 for rep in self.replicas:
@@ -310,6 +318,13 @@ class Simulator:
         results.sort(key=lambda o: o.request_id)
         return RunResult(self.cfg, wl_info, results, self._worker_stats(end - start),
                          end - start, start, _time.perf_counter() - wall0, events)
+
+    def _heartbeat(self, now: float) -> None:
+        """Every synced replica puts its in-flight ids on the bus; the next in a second."""
+        for rep in self.replicas:
+            if rep.sync is not None:
+                rep.sync.heartbeat()
+        self._push(now + HEARTBEAT_S, HEARTBEAT, None)
 
     def _send_sync(self, now: float) -> None:
         """Put every replica's new events on the bus, delivered after the delay."""

@@ -105,6 +105,9 @@ class WorkloadSpec:
     think_s: float = 8.0
     # shared_prefix: share of requests whose document is their own (nothing else shares it)
     p_unique: float = 0.0
+    # shared_prefix / bursty: requests that arrive at the same instant at each arrival (a
+    # client's fan-out; a trace whose timestamps group requests, as Mooncake's can)
+    together: Dist = Dist(1)
     # trace: a file in CachePilot's JSONL format or Mooncake's (detected), its arrivals
     # sped up ``rate_scale`` times; with ``sample`` < 1, each seed keeps that share of the
     # trace's prefix groups (requests whose first block is the same: a conversation or a
@@ -135,6 +138,8 @@ class SimRequest:
     user_start: int = 0
     group: str = ""
     extra: dict = field(default_factory=dict)
+    # KubeAI's key: the first 100 characters of the first user message (:func:`prefix_key`).
+    prefix_key: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -201,6 +206,27 @@ def _fp(tokens: np.ndarray) -> Fingerprint:
     return fingerprint(MODEL, BLOCK, token_ids=tokens)
 
 
+# KubeAI's Prefix(): 100 characters, 25 tokens at the 4 characters a token of segment_text.
+PREFIX_TOKENS = 25
+
+
+def prefix_key(tokens: np.ndarray, segments: Sequence[Segment], user_start: int) -> int:
+    """What KubeAI's ``Prefix(100)`` hashes, for a request of these ``segments``: the first
+    100 characters of the first user message. A workload's user content starts at
+    ``user_start`` (everything before it is shared system text) and its first user message
+    is at least the segment that starts there (sessions: the first user turn; the others:
+    the document), so the key is that segment's first 25 tokens, unchained: later turns,
+    answers and the system prompt are not in it."""
+    end = len(tokens)
+    pos = 0
+    for _, n in segments:
+        if pos >= user_start:
+            end = pos + n
+            break
+        pos += n
+    return xxh3_64_intdigest(tokens[user_start:min(end, user_start + PREFIX_TOKENS)].tobytes())
+
+
 def poisson_arrivals(rng: np.random.Generator, rate: float, duration: float) -> np.ndarray:
     n = rng.poisson(rate * duration)
     return np.sort(rng.uniform(0.0, duration, size=n))
@@ -249,6 +275,9 @@ def _shared_prefix(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> l
         times = mmpp_arrivals(rng, spec.burst_high, spec.burst_low, spec.duration)
     else:
         times = poisson_arrivals(rng, spec.rate, spec.duration)
+    if spec.together != Dist(1):  # its own generator: other workloads' draws stay the same
+        rng_t = np.random.default_rng([seed, _KIND_IDS[spec.kind], 11])
+        times = np.repeat(times, spec.together.draw(rng_t, len(times)))
     n = len(times)
     prefix_len = spec.prefix.draw(rng, spec.groups)
     group = rng.integers(0, spec.groups, size=n)
@@ -259,9 +288,9 @@ def _shared_prefix(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> l
     for i in range(n):
         g = int(group[i])
         segs = ((f"s{seed}g{g}", int(prefix_len[g])), (f"s{seed}r{i}", int(suffix[i])))
-        fp = _fp(toks.prompt(segs, 1))
-        reqs.append(SimRequest(i, float(times[i]), segs, int(out_len[i]), fp,
-                               user_start=0, group=f"g{g}"))
+        ids = toks.prompt(segs, 1)
+        reqs.append(SimRequest(i, float(times[i]), segs, int(out_len[i]), _fp(ids),
+                               user_start=0, group=f"g{g}", prefix_key=prefix_key(ids, segs, 0)))
     if spec.p_unique > 0:  # its own generator: the draws above stay what they were
         rng_u = np.random.default_rng([seed, _KIND_IDS[spec.kind], 7])
         unique = rng_u.random(n) < spec.p_unique
@@ -269,8 +298,9 @@ def _shared_prefix(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> l
         for i in np.flatnonzero(unique):
             r = reqs[i]
             segs = ((f"s{seed}u{i}", int(lengths[i])), r.segments[1])
-            reqs[i] = SimRequest(r.id, r.arrival, segs, r.max_tokens,
-                                 _fp(toks.prompt(segs, 0)), user_start=0, group=f"u{i}")
+            ids = toks.prompt(segs, 0)
+            reqs[i] = SimRequest(r.id, r.arrival, segs, r.max_tokens, _fp(ids), user_start=0,
+                                 group=f"u{i}", prefix_key=prefix_key(ids, segs, 0))
     return reqs
 
 
@@ -287,9 +317,10 @@ def _hotspot(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> list[Si
         d = int(doc[i])
         segs = ((f"s{seed}sys", spec.system_tokens), (f"s{seed}d{d}", int(doc_len[d])),
                 (f"s{seed}q{i}", int(question[i])))
-        fp = _fp(toks.prompt(segs, 2))
-        reqs.append(SimRequest(i, float(times[i]), segs, int(out_len[i]), fp,
-                               user_start=spec.system_tokens, group=f"d{d}"))
+        ids = toks.prompt(segs, 2)
+        reqs.append(SimRequest(i, float(times[i]), segs, int(out_len[i]), _fp(ids),
+                               user_start=spec.system_tokens, group=f"d{d}",
+                               prefix_key=prefix_key(ids, segs, spec.system_tokens)))
     return reqs
 
 
@@ -311,9 +342,10 @@ def _sessions(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> list[S
     pending.sort(key=lambda p: p[0])
     reqs = []
     for i, (t, segs, out, sess, k) in enumerate(pending):
-        fp = _fp(toks.prompt(segs, len(segs)))
-        reqs.append(SimRequest(i, t, segs, out, fp, user_start=spec.system_tokens,
-                               group=sess, extra={"turn": k}))
+        ids = toks.prompt(segs, len(segs))
+        reqs.append(SimRequest(i, t, segs, out, _fp(ids), user_start=spec.system_tokens,
+                               group=sess, extra={"turn": k},
+                               prefix_key=prefix_key(ids, segs, spec.system_tokens)))
     return reqs
 
 
@@ -364,7 +396,11 @@ def _trace(spec: WorkloadSpec, seed: int) -> list[SimRequest]:
     if spec.rate_scale <= 0 or not 0 < spec.sample <= 1:
         raise ValueError("a trace needs rate_scale > 0 and 0 < sample ≤ 1")
     if detect_format(spec.path) == "mooncake":
-        reqs = [SimRequest(i, row.arrival_s, (), row.max_tokens, row.fingerprint)
+        # No text: the first 512-token block's id fixes the first 100 characters, and the
+        # first hash is a function of it alone.
+        reqs = [SimRequest(i, row.arrival_s, (), row.max_tokens, row.fingerprint,
+                           prefix_key=row.fingerprint.hashes[0] if row.fingerprint.hashes
+                           else None)
                 for i, row in enumerate(read_mooncake(spec.path, model=MODEL, block=BLOCK))]
     else:
         reqs = list(read_trace(spec.path))
@@ -418,5 +454,7 @@ def read_trace(path: str | Path) -> Iterable[SimRequest]:
         else:
             segs = tuple((str(k), int(n)) for k, n in d["segments"])
             ids = toks.prompt(segs, len(segs))
+        start = int(d.get("user_start", 0))
         yield SimRequest(i, float(d["t"]), segs, int(d.get("max_tokens", 128)), _fp(ids),
-                         user_start=int(d.get("user_start", 0)), group=str(d.get("group", "")))
+                         user_start=start, group=str(d.get("group", "")),
+                         prefix_key=prefix_key(ids, segs, start))

@@ -84,7 +84,7 @@ def weight_sweep(sweeps: dict[str, Any]) -> Figure:
         ax.set_xlabel("load weight (0 drawn at 1/16)")
         ax.set_ylabel("TTFT (ms)")
         better = ", ".join(f"{w:g}" for w in s["better_than_unit"]) or "none"
-        ax.set_title(f"{regime}: significantly better than 1: {better}", fontsize=9)
+        ax.set_title(f"{regime}: significantly better than 1 (Holm): {better}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cachepilot.lab.output import StudyOutput
+from cachepilot.lab.output import StudyOutput, seeds_phrase
 from cachepilot.lab.seed_claims import plots, runs
 from cachepilot.lab.seed_claims.claims import Claim, build_claims, column, rows_for
 from cachepilot.lab.stats import ci95
@@ -51,16 +51,23 @@ def _diff(c: Claim) -> str:
 def render(claims: list[Claim], extra: dict[str, Any], tables: dict[str, Any],
            speed: dict[str, Any], figs: dict[str, str]) -> str:
     L = ["# CachePilot seed claims, re-measured", ""]
-    L.append(f"{speed['seeds']} seeds, {speed['runs']} simulated runs, "
+    L.append(f"{seeds_phrase(speed['seeds'])}: {speed['runs']} simulated runs, "
              f"{speed['simulated_requests']:,} simulated requests in {speed['wall_s']:.0f} s "
              f"on {speed['processes']} processes: **{speed['sim_requests_per_wall_s']:,.0f} "
              f"simulated requests per wall second** "
              f"({speed['sim_requests_per_cpu_s']:,.0f} per CPU second).")
     L.append("")
-    L.append("Ours = mean over seeds with a 95% Student-t interval. Parameters were fixed "
-             "before measuring (docs/simulator.md); none were fitted to the original figures. "
-             "Verdict: *reproduced* when the original lies in our interval or within 25% of "
-             "our mean; otherwise the direction is compared.")
+    L.append("Ours = mean over seeds with a 95% Student-t interval; a relative change "
+             "between two policies is the geometric mean of the per-seed ratios, its interval "
+             "a t interval on the log ratios (it cannot pass −100 %; evictions, which can be "
+             "0, use the mean per-seed change with its interval clipped at −100 %). "
+             "Parameters were fixed before measuring (docs/simulator.md); none were fitted to "
+             "the original figures. Verdict: *reproduced* when the original lies in our "
+             "interval or within 25% of our mean; otherwise the direction is compared. "
+             f"Weight effects (claims 4 and 5): {extra['family']['tests']} paired tests "
+             "adjusted together with Holm's method: "
+             f"**{extra['family']['significant_holm']} significant after adjustment**, "
+             f"{extra['family']['significant_raw']} before.")
     L.append("")
     L.append("| # | Claim | Original | Ours (mean [95% CI]) | Verdict | Difference | Why |")
     L.append("|---|---|---|---|---|---|---|")
@@ -99,9 +106,10 @@ def render(claims: list[Claim], extra: dict[str, Any], tables: dict[str, Any],
                      f"{s['throughput_out_tps']['mean']:.0f} | {s['token_hit_rate']['mean']:.3f} |")
         L.append("")
     L += ["## Load-weight sweep, paired against unit weight", "",
-          "Each row: the median TTFT with that load weight, and its paired difference from "
-          "unit weight over the same seeds (mean [95% CI]); **bold** where the interval "
-          "excludes zero.", ""]
+          "Each row: the median TTFT with that load weight, and its paired change from "
+          "unit weight over the same seeds (the geometric mean of the per-seed ratios, in ms "
+          "at unit weight's mean, [95% CI]); **bold** where it is significant after Holm's "
+          "adjustment, \"(raw)\" where only before.", ""]
     L.append("| regime | load weight | median TTFT | − unit weight |")
     L.append("|---|---|---|---|")
     for regime, s in extra["sweeps"].items():
@@ -109,8 +117,10 @@ def render(claims: list[Claim], extra: dict[str, Any], tables: dict[str, Any],
             d = c["vs_unit"]
             diff = (f"{d['mean'] * 1000:+.2f} [{d['lo'] * 1000:+.2f}, {d['hi'] * 1000:+.2f}] ms"
                     if float(w) != 1.0 else "—")
-            if d.get("significant"):
+            if d.get("significant_holm"):
                 diff = f"**{diff}**"
+            elif d.get("significant"):
+                diff = f"{diff} (raw)"
             L.append(f"| {regime} | {float(w):g} | {_ours(_ms(c['p50']), 'ms')} | {diff} |")
     L.append("")
     st = extra.get("staleness") or {}

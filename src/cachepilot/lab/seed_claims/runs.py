@@ -9,7 +9,7 @@ policy differences are not confounded with workload draws. Tasks run on a proces
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,9 +100,9 @@ def run_task(task: tuple[str, int]) -> dict[str, Any]:
 
 
 # -- running --------------------------------------------------------------------------------------
-def run_all(seeds: int, processes: int | None = None,
+def run_all(seeds: Sequence[int], processes: int | None = None,
             progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
-    tasks = [(name, seed) for seed in range(seeds) for name in plan()]
+    tasks = [(name, seed) for seed in seeds for name in plan()]
     weight = {n: len(v) for n, v in plan().items()}
     tasks.sort(key=lambda t: -weight[t[0]])
     procs = process_count(processes)
@@ -111,7 +111,7 @@ def run_all(seeds: int, processes: int | None = None,
     wall = time.perf_counter() - t0
     sim_requests = sum(s["requests"] for r in results for s in r["runs"].values())
     sim_wall = sum(s["wall_s"] for r in results for s in r["runs"].values())
-    return {"results": results, "wall_s": wall, "processes": procs, "seeds": seeds,
+    return {"results": results, "wall_s": wall, "processes": procs, "seeds": list(seeds),
             "simulated_requests": sim_requests,
             "sim_requests_per_wall_s": sim_requests / wall if wall > 0 else float("nan"),
             "sim_requests_per_cpu_s": sim_requests / sim_wall if sim_wall > 0 else float("nan"),
