@@ -25,6 +25,14 @@ class PoolSpec:
     block: BlockConfig = field(default_factory=BlockConfig)
     # Blocks per worker in the directory until the engine reports its own (cache_config_info).
     capacity_blocks: int = 4096
+    # Slot engines (llama.cpp, whose /props say how many slots): the prompts each worker's
+    # host-memory prompt cache keeps (its --cache-ram over one prompt's saved state; -1: no
+    # byte limit, so n_ctx tokens; 0: --cache-ram 0, the slots only). Not in /props or
+    # /metrics: the deployment says (cachepilot gateway --llama-cache-ram).
+    prompt_cache: int = 0
+    # ...and the longest match, in tokens, such a worker does not reuse (a sliding-window
+    # model re-prefills a match inside its window; 0: any match is reused).
+    min_reuse_tokens: int = 0
 
 
 class Pool:
@@ -160,6 +168,10 @@ class Pool:
             capacity = metrics.num_blocks * engine_block // self.spec.block.block_size
             self.directory.set_capacity(address, capacity)
         if metrics.slots:
-            slot_tokens = metrics.slot_tokens or self.spec.block.block_size
-            self.directory.set_slots(address, metrics.slots,
-                                     max(1, slot_tokens // self.spec.block.block_size))
+            bs = self.spec.block.block_size
+            slot_blocks = max(1, (metrics.slot_tokens or bs) // bs)
+            cache = self.spec.prompt_cache
+            self.directory.set_slots(
+                address, metrics.slots, slot_blocks, entries=max(0, cache),
+                max_blocks=metrics.slots * slot_blocks if cache < 0 else None,
+                min_reuse=self.spec.min_reuse_tokens // bs)

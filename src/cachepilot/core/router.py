@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
 
 from xxhash import xxh3_64_intdigest
 
@@ -233,16 +234,21 @@ class Router:
         if w is not None:
             w.pending_requests = max(0, w.pending_requests - 1)
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
+            if w.metrics is not None and w.metrics.prefill_done_tokens:
+                # The progress the last scrape reported was most likely this request's.
+                w.metrics = replace(w.metrics, prefill_done_tokens=0)
         return True
 
 
 def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],
                   block: BlockConfig, capacity_blocks: int, engine: str,
                   cost: CostModel | None = None, pool_name: str = "default",
-                  tokenizer: Tokenizer | None = None) -> Router:
+                  tokenizer: Tokenizer | None = None, prompt_cache: int = 0,
+                  min_reuse_tokens: int = 0) -> Router:
     """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
     spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
-                    block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel())
+                    block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel(),
+                    prompt_cache=prompt_cache, min_reuse_tokens=min_reuse_tokens)
     pool = Pool(spec)
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})

@@ -15,6 +15,7 @@ from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost
 from cachepilot.tooling.llamacpp.routers import RouterSpec
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
+    PROMPT_STATE_MIB,
     LlamaWorkerSpec,
     model_path,
     threads_per_worker,
@@ -115,7 +116,7 @@ class LlamaStack(LoopbackAddresses):
         """``cachepilot gateway`` for these workers: the calibrated CPU cost model and byte
         blocks, llama.cpp's scrape timing, a decision log; no directory capacity unless one
         was given (the gateway reads each worker's slots from its /props)."""
-        assert self.calibration is not None
+        assert self.calibration is not None and self.spec is not None
         cal = self.calibration
         capacity = ["--capacity-blocks", str(self.capacity_blocks)] if self.capacity_blocks \
             else []
@@ -126,6 +127,8 @@ class LlamaStack(LoopbackAddresses):
                 "--block-size", str(self.block_size),
                 "--chars-per-token", f"{cal.chars_per_token:.3f}", *capacity,
                 "--cost", cost_args(cal.cost_model(self.max_tokens)),
+                "--llama-cache-ram", str(self.spec.cache_ram_mib),
+                "--llama-prompt-mib", str(PROMPT_STATE_MIB),
                 "--scrape-timeout", "5", "--stall-after", f"{self.stall_after_s():.0f}",
                 "--decision-log", str(Path(self.log_dir or ".") / "decisions")]
 
