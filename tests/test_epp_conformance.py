@@ -1,5 +1,6 @@
 """The EPP conformance suite (cachepilot.conformance) through a real Envoy against our gateway
-in endpoint picker mode: one pytest test per protocol rule, from one run of the suite."""
+in endpoint picker mode: two pools (one with an IPv6 worker), each its own gateway, every
+rule of every profile; one pytest test per rule, from one run of the suite."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from google.protobuf import struct_pb2
 
-from cachepilot.conformance import RULES, Report, SuiteConfig, run_suite
-from cachepilot.conformance.suite import MODEL, REWRITE_TARGET
+from cachepilot.conformance import Report, SuiteConfig, catalog, run_suite
+from cachepilot.conformance.rules import MODEL, REWRITE_TARGET
 from cachepilot.core import BlockConfig, Weights
 from cachepilot.core.router import static_router
 from cachepilot.gateway.director import GatewayOptions
@@ -36,9 +36,12 @@ if _PROBLEM:
 pytestmark = [pytest.mark.envoy, pytest.mark.skipif(bool(_PROBLEM), reason=_PROBLEM or "")]
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _gateway(workers: list[tuple[str, int]], protocol: str) -> GatewayThread:
-    addrs = [f"{h}:{p}" for h, p in workers]
-    router = static_router(addrs, policy="priced", weights=Weights(),
+    router = static_router([_address(*w) for w in workers], policy="priced", weights=Weights(),
                            models=(MODEL, REWRITE_TARGET), block=BlockConfig(16, 4.0),
                            capacity_blocks=4096, engine="vllm")
     config = GatewayConfig(grpc_address=f"127.0.0.1:{free_port()}", admin_port=0,
@@ -48,12 +51,15 @@ def _gateway(workers: list[tuple[str, int]], protocol: str) -> GatewayThread:
 
 
 def _run(protocol: str, only: tuple[str, ...] = ()) -> Report:
-    workers = [("127.0.0.1", free_port()) for _ in range(3)]
-    with _gateway(workers, protocol) as gw:
-        cfg = SuiteConfig(epp=("127.0.0.1", gw.gateway.grpc_port), workers=workers, only=only)
+    workers = [("127.0.0.1", free_port()) for _ in range(3)] + [("::1", free_port())]
+    workers_b = [("127.0.0.1", free_port()) for _ in range(2)]
+    with _gateway(workers, protocol) as a, _gateway(workers_b, protocol) as b:
+        cfg = SuiteConfig(epp=("127.0.0.1", a.gateway.grpc_port), workers=workers,
+                          epp_b=("127.0.0.1", b.gateway.grpc_port), workers_b=workers_b,
+                          saturation_window_s=1.0, only=only)
         report = asyncio.run(run_suite(cfg))
     for r in report.results:
-        print(f"{'PASS' if r.passed else 'FAIL'} {r.name} {r.seconds:.2f}s {r.detail}")
+        print(f"{r.outcome:7} {r.id} {r.name} {r.seconds:.2f}s {r.detail}")
     assert not report.error, report.error
     return report
 
@@ -63,37 +69,21 @@ def report() -> Iterator[Report]:
     yield _run("epp")
 
 
-@pytest.mark.parametrize("name", [r.name for r in RULES])
-def test_rule(report: Report, name: str) -> None:
-    """Every rule, optional ones included: CachePilot implements them all."""
-    result = next(r for r in report.results if r.name == name)
-    assert result.passed, f"{name}: {result.detail}\n(rule: {result.text})"
+def test_every_rule_ran(report: Report) -> None:
+    """Nothing skipped: an IPv6 worker and a second pool were given."""
+    assert [r.id for r in report.results] == [r.id for r in catalog()]
+    assert {r.outcome for r in report.results} <= {"passed", "failed"}
+
+
+@pytest.mark.parametrize("rule_id", [r.id for r in catalog()])
+def test_rule(report: Report, rule_id: str) -> None:
+    """Every rule, recommended and extension ones included: CachePilot implements them."""
+    result = report.by_id(rule_id)
+    assert result.outcome == "passed", f"{rule_id} {result.name}: {result.detail}"
 
 
 def test_auto_protocol_takes_plain_ext_proc_streams_as_epp() -> None:
     """--protocol auto (the default): streams without our x-cachepilot-* metadata are EPP."""
-    report = _run("auto", only=("destination_header", "subset_hint_respected",
-                                "served_endpoint_reported", "request_body_large_intact"))
-    assert [r.name for r in report.results if not r.passed] == []
-
-
-_SUBSET_RULES = ("destination_header", "subset_hint_respected", "subset_none_eligible_503",
-                 "bad_body_400")
-
-
-@pytest.mark.parametrize(("broken", "with_", "only", "fails"), [
-    # blind to envoy.lb.subset_hint: the subset rules fail, the others pass
-    ("cachepilot.gateway.epp.subset_hint", lambda msg: None, _SUBSET_RULES,
-     {"subset_hint_respected", "subset_none_eligible_503"}),
-    # the destination in the header only, no envoy.lb metadata (then the proxy's served
-    # report contradicts the pick, and our EPP takes the picked worker for unreachable:
-    # the rules after it would fail too, so they are not run here)
-    ("cachepilot.gateway.epp.lb_metadata", lambda target: struct_pb2.Struct(),
-     ("destination_header", "destination_metadata", "bad_body_400"), {"destination_metadata"}),
-], ids=["ignores-subset-hint", "no-lb-metadata"])
-def test_suite_fails_a_broken_epp(monkeypatch: pytest.MonkeyPatch, broken: str, with_: object,
-                                  only: tuple[str, ...], fails: set[str]) -> None:
-    """The suite can fail: a broken EPP fails exactly the rules it breaks."""
-    monkeypatch.setattr(broken, with_)
-    report = _run("epp", only=only)
-    assert {r.name for r in report.results if not r.passed} == fails
+    report = _run("auto", only=("P01", "P02", "P05", "P11", "P12", "R05"))
+    assert [r.id for r in report.results] == ["P01", "P02", "P05", "P11", "P12", "R05"]
+    assert [r.id for r in report.results if not r.passed] == []

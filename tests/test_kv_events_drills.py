@@ -17,7 +17,8 @@ import pytest
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from cachepilot.datalayer.kv_events import Endpoints, KVEventHub, decode_batch
+from cachepilot.datalayer.kv_events import Endpoints, KVEventHub
+from cachepilot.datalayer.kv_wire import decode_batch
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 
 TIMINGS = {"tick": 0.02, "heartbeat_every": 0.2, "replay_timeout": 0.3, "stale_after": 1.0}
@@ -196,8 +197,8 @@ def test_decode_matches_vllms_struct_encoding() -> None:
         {"type": "BlockRemoved", "block_hashes": [b"\x00" * 24 + (9).to_bytes(8, "big")],
          "medium": "GPU"},
         {"type": "AllBlocksCleared"}], 0])
-    events, skipped = decode_batch(payload)
-    assert skipped == 0
+    events, fmt, _ = decode_batch(payload)
+    assert fmt.events == "map" and fmt.batch_fields == 3
     assert events == [BlockStored((2**64 - 1, 7), None, 32, 0, "full_attention", "GPU"),
                       BlockRemoved((9,), None, "GPU"), AllBlocksCleared()]
 

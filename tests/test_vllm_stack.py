@@ -6,6 +6,7 @@ The stack test is slow (~2-3 min: two vLLM workers start in parallel on the CPU)
 ``make vllm-venv vllm-model``; skips without them unless CACHEPILOT_REQUIRE_VLLM=1 (CI).
 """
 
+import json
 import os
 import re
 import signal
@@ -20,9 +21,12 @@ from click.testing import CliRunner
 from vllm_env import SHARED, VENV, prepared_model
 
 from cachepilot.cli import main
+from cachepilot.core.directory import common_prefix
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
+from cachepilot.core.request import parse_openai_body
+from cachepilot.datalayer.model_files import load_prompts
 from cachepilot.tooling.vllm import model
-from cachepilot.tooling.vllm.worker import HASH_SEED
+from cachepilot.tooling.vllm.worker import CHAT_TEMPLATE, HASH_SEED
 
 
 def test_up_without_the_vllm_venv_is_one_line(tmp_path: Path, monkeypatch) -> None:
@@ -42,6 +46,18 @@ def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
     hashes = [vllm_block_hashes(tok(p), 32, vllm_none_hash(HASH_SEED)) for p in prompts]
     shared = next(k for k, (a, b) in enumerate(zip(*hashes, strict=False)) if a != b)
     assert shared >= 4
+    chat = [{"role": "system", "content": SHARED},
+            {"role": "user", "content": "Which label do fragile items need?"},
+            {"role": "assistant", "content": "The red label."},
+            {"role": "user", "content": "And how long do I have to return them?"}]
+    rendered = load_prompts(hf, chat_template=CHAT_TEMPLATE)
+    chat_ids = [rendered.prompt(parse_openai_body("/v1/chat/completions", json.dumps(
+        {"model": model.SERVED_NAME, "messages": m}).encode())).token_ids
+        for m in (chat[:2], chat)]
+    # The next turn re-sends the first: the full blocks they share are reused.
+    chat_hashes = [vllm_block_hashes(i, 32, vllm_none_hash(HASH_SEED)) for i in chat_ids]
+    chat_shared = common_prefix(*chat_hashes)
+    assert chat_shared >= 4
 
     env = {**os.environ, "CACHEPILOT_VLLM_VENV": str(VENV), "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "up.out"
@@ -76,12 +92,25 @@ def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
             assert got[0][0] == got[1][0] and got[0][0], got
             time.sleep(2)  # the second prompt's new blocks are announced after its step
             ws = {w["address"]: w for w in client.get(f"{admin}/workers").json()}
+            # Chat: a conversation and its next turn, rendered by the gateway with the same
+            # template the workers got: routed to its prefix, hit as predicted.
+            chats = []
+            for turns in (chat[:2], chat):
+                r = client.post(f"{url}/v1/chat/completions", json={
+                    "model": model.SERVED_NAME, "messages": turns, "max_tokens": 1,
+                    "temperature": 0})
+                r.raise_for_status()
+                chats.append((r.headers.get("x-cachepilot-worker"),
+                              r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0))
         held = ws[got[0][0]]["kv_events"]
         want = len(set(hashes[0]) | set(hashes[1]))
         assert held["mode"] == "exact" and held["event_blocks"] == want, held
+        assert held["wire_format"]["generation"] == "G8" and held["error"] is None
+        assert chats[0][0] == chats[1][0] and chats[1][1] == chat_shared * 32, chats
         assert all(w["kv_events"]["holes"] == 0 and w["kv_events"]["malformed"] == 0
                    for w in ws.values())
-        print(f"\n(worker, cached_tokens) {got}; shared blocks {shared}; event blocks {want}")
+        print(f"\n(worker, cached_tokens) {got}; shared blocks {shared}; event blocks {want}; "
+              f"chat {chats}, shared {chat_shared}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)

@@ -11,8 +11,9 @@ import click
 from cachepilot.cli.options import cost_option, policy_option, weights_option
 from cachepilot.core import cost as costs
 from cachepilot.core.cost import CostModel, Weights
-from cachepilot.core.fingerprint import BlockConfig, load_tokenizer, load_vllm_tokenizer
+from cachepilot.core.fingerprint import BlockConfig, Tokenizer, load_tokenizer
 from cachepilot.core.router import Router, static_router
+from cachepilot.core.vllm_prompt import VllmPrompts
 from cachepilot.tooling.stack import PortInUseError, check_port_free
 
 
@@ -59,8 +60,9 @@ def routing_options(f):  # type: ignore[no-untyped-def]
         click.option("--chars-per-token", type=float, default=4.0, show_default=True),
         click.option("--capacity-blocks", type=int, default=4096, show_default=True,
                      help="Directory capacity per worker until the engine reports its own."),
-        click.option("--tokenizer", default=None, type=click.Path(exists=True, dir_okay=False),
-                     help="tokenizer.json of the served model: blocks of real tokens."),
+        click.option("--tokenizer", default=None, type=click.Path(exists=True),
+                     help="tokenizer.json of the served model, or its folder: blocks of real "
+                          "tokens (with --vllm-hash-seed: the engines' own prompts)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -128,6 +130,21 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="Hash token blocks as vLLM does (sha256_cbor seeded with the workers' "
                    "PYTHONHASHSEED), so fingerprints are the engines' block hashes; needs "
                    "--tokenizer.")
+@click.option("--chat-template", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="With --vllm-hash-seed: the chat template file the workers were started "
+                   "with (vLLM's --chat-template); default: the tokenizer folder's "
+                   "chat_template.jinja or tokenizer_config.json's.")
+@click.option("--chat-template-content-format", default="auto", show_default=True,
+              type=click.Choice(["auto", "string", "openai"]),
+              help="As vLLM's flag of that name (auto: detected from the template as vLLM "
+                   "does).")
+@click.option("--lora-module", "lora_modules", multiple=True, metavar="NAME=PATH",
+              help="A LoRA adapter the workers serve, exactly as their --lora-modules names "
+                   "it (the path is part of every block hash). Repeatable.")
+@click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
+              help="The base model's served name(s): a request for any other model that is "
+                   "not a --lora-module is matched approximately (default: any name is the "
+                   "base). Repeatable.")
 @click.option("--replica-bus", default=None, metavar="nats://HOST:PORT",
               help="Share placements and in-flight requests with the other gateway replicas "
                    "over this NATS server.")
@@ -147,6 +164,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str,
+                chat_template: str | None, chat_template_content_format: str,
+                lora_modules: tuple[str, ...], served_names: tuple[str, ...],
                 llama_cache_ram: int, llama_prompt_mib: float, llama_min_reuse: int) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.datalayer.kv_events import port_endpoints
@@ -174,17 +193,18 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
             check_port_free(admin_port, "--admin-port")
     except PortInUseError as exc:
         raise click.ClickException(str(exc)) from None
-    try:
-        load = load_vllm_tokenizer if vllm_hash_seed is not None else load_tokenizer
-        tok = load(tokenizer) if tokenizer else None
-    except Exception as exc:  # tokenizers raises its own exception types
-        raise click.BadParameter(f"cannot load {tokenizer}: {exc}",
-                                 param_hint="--tokenizer") from None
-    router = Router(tokenizer=tok) if kubernetes else static_router(
+    exact_only = {"--chat-template": chat_template, "--lora-module": lora_modules,
+                  "--served-model-name": served_names}
+    for flag, value in exact_only.items():
+        if value and vllm_hash_seed is None:
+            raise click.UsageError(f"{flag} goes with --vllm-hash-seed (exact vLLM hashing)")
+    tok, prompts = _prompt_path(tokenizer, vllm_hash_seed, chat_template,
+                                chat_template_content_format, lora_modules, served_names)
+    router = Router(tokenizer=tok, prompts=prompts) if kubernetes else static_router(
         addrs, policy=policy, weights=parse_weights(weights), models=models,
         block=BlockConfig(block_size, chars_per_token, vllm_seed=vllm_hash_seed),
         capacity_blocks=capacity_blocks,
-        engine=engine, tokenizer=tok, cost=parse_cost(cost),
+        engine=engine, tokenizer=tok, prompts=prompts, cost=parse_cost(cost),
         prompt_cache=prompt_cache_prompts(llama_cache_ram, llama_prompt_mib),
         min_reuse_tokens=llama_min_reuse)
     kv_endpoints = None if kv_events_port is None else port_endpoints(
@@ -226,6 +246,39 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         await serve(gateway, ready)
 
     asyncio.run(main())
+
+
+def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
+                 chat_template: str | None, content_format: str,
+                 lora_modules: tuple[str, ...], served_names: tuple[str, ...]
+                 ) -> tuple[Tokenizer | None, VllmPrompts | None]:
+    """The router's tokenizer (approximate blocks of real tokens) or, hashing as vLLM does,
+    the engines' prompt path: tokenizer, chat template, LoRA adapters (docs/vllm.md)."""
+    from cachepilot.datalayer.model_files import (
+        ModelFilesError,
+        load_prompts,
+        parse_lora_modules,
+        tokenizer_file,
+    )
+
+    if not tokenizer:
+        return None, None
+    try:
+        if vllm_hash_seed is None:
+            return load_tokenizer(str(tokenizer_file(tokenizer))), None
+        prompts = load_prompts(tokenizer, chat_template=chat_template,
+                               content_format=content_format,
+                               lora_adapters=parse_lora_modules(lora_modules),
+                               served_models=served_names)
+    except ModelFilesError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise click.BadParameter(f"cannot load {tokenizer}: {exc}",
+                                 param_hint="--tokenizer") from None
+    if prompts.template is None:
+        logging.getLogger("cachepilot.gateway").warning(
+            "no chat template for %s: chat requests are matched approximately", tokenizer)
+    return None, prompts
 
 
 @click.command("envoy-config")

@@ -13,6 +13,8 @@ from aiohttp import web
 
 WORKER_HEADER = "x-fake-worker"  # the worker's own ip:port, on every answer
 BODY_SHA_HEADER = "x-fake-body-sha256"  # of the whole answer body, computed before sending
+# Set by the suite's Envoy on the upstream request: the EPP's envoy.lb metadata, as a string.
+METADATA_ECHO_HEADER = "x-conformance-metadata-destination"
 
 
 def sha256(data: bytes) -> str:
@@ -20,12 +22,13 @@ def sha256(data: bytes) -> str:
 
 
 class FakeWorker:
-    """One fake model server on ``host:port`` (the EPP under test must be told the address)."""
+    """One fake model server on ``host:port`` (the EPP under test must be told the address,
+    ``[addr]:port`` for an IPv6 host)."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.address = f"{host}:{port}"
-        self.hits = 0  # inference requests received
+        self.host, self.port = host.strip("[]"), port
+        self.address = f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+        self.hits = 0  # requests received, but for /health and /metrics
         self.saturated = False  # metrics say: a huge queue and a full KV cache
         self.down = False  # metrics and inference fail (500/503)
         self._runner: web.AppRunner | None = None
@@ -48,6 +51,7 @@ class FakeWorker:
     def _seen(self, request: web.Request, raw: bytes, model: Any) -> dict[str, Any]:
         return {"worker": self.address,
                 "destination": request.headers.get("x-gateway-destination-endpoint", ""),
+                "metadata_destination": request.headers.get(METADATA_ECHO_HEADER, ""),
                 "x-request-id": request.headers.get("x-request-id", ""),
                 "content-length": request.headers.get("content-length"),
                 "body_sha256": sha256(raw), "body_bytes": len(raw),
@@ -98,8 +102,10 @@ class FakeWorker:
         await resp.write_eof()
         return resp
 
-    async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "conformance"}]},
+    async def _models(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        return web.json_response({"object": "list", "data": [{"id": "conformance"}],
+                                  "conformance": self._seen(request, b"", None)},
                                  headers={WORKER_HEADER: self.address})
 
     async def _health(self, _: web.Request) -> web.Response:

@@ -84,6 +84,9 @@ class Decision:
     request: InferenceRequest | None = field(default=None, repr=False, compare=False)
     # Seconds from the driver's start (parse included) to the booked decision; 0 unknown.
     latency_s: float = 0.0
+    # Why this request fell back from the pool's exact (engine-hash) directory to the
+    # approximate one (cachepilot.core.vllm_prompt); None: it did not.
+    fallback: str | None = None
 
     @property
     def winner(self) -> Candidate:

@@ -67,6 +67,11 @@ class _WorkerBlocks:
     # hash → the generation it was routed in; aged out by :meth:`PrefixDirectory.age_pending`.
     pending: OrderedDict[int, int] = field(default_factory=OrderedDict)
     generation: int = 0
+    # Engine restarts (see PrefixDirectory.restarted): how many the scrape found (the event
+    # stream watches it), and when the batch 0 the event set starts from was stamped (the
+    # engine's clock; None: the set does not start at a publisher's batch 0).
+    epoch: int = 0
+    events_since: float | None = None
 
     def held(self) -> Iterable[int]:
         return self.refs if self.memory is not None else self.lru
@@ -180,16 +185,18 @@ class PrefixDirectory:
         return worker in self._workers
 
     # -- data ---------------------------------------------------------------------------------
-    def insert(self, worker: str, hashes: Sequence[int]) -> None:
+    def insert(self, worker: str, hashes: Sequence[int], *, learned_only: bool = False) -> None:
         """Record that ``worker`` now holds these blocks (a prompt's chain, root first).
 
         Blocks are touched leaf-first so the root ends most recently used: a shared prefix
         outlives the unique tails hanging off it, as in vLLM's free-block queue.
+        ``learned_only``: the hashes are not the engine's (a request whose prompt could not
+        be reproduced exactly): never pending, since no event will ever name them.
         """
         wb = self._workers.get(worker)
         if wb is None:
             return
-        if wb.mode != APPROXIMATE:
+        if wb.mode != APPROXIMATE and not learned_only:
             self._add_pending(wb, hashes)
         if wb.memory is not None:
             self._insert_slot(wb, hashes)
@@ -280,20 +287,28 @@ class PrefixDirectory:
     def _clear(self, h: int, bit: int) -> None:
         _drop_bit(self._masks, h, bit)
 
-    def match(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+    def match(self, hashes: Sequence[int], workers: Iterable[str], *,
+              learned_only: bool = False) -> dict[str, int]:
         """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
         mode: the event set, the routing-learned set, or both); for a slot engine, the
-        prefix it would reuse."""
-        return self._match(hashes, workers)
+        prefix it would reuse. ``learned_only``: read the routing-learned set whatever the
+        mode (hashes that are not the engine's)."""
+        result = self._match_blocks(hashes, workers, learned_only)
+        for w in result:  # a slot engine's prompts are all in the index; it restores one
+            memory = self._workers[w].memory
+            if memory is not None and result[w]:
+                result[w] = memory.reuse(hashes)
+        return result
 
-    def _match_blocks(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+    def _match_blocks(self, hashes: Sequence[int], workers: Iterable[str],
+                      learned_only: bool) -> dict[str, int]:
         wanted = {w: self._workers[w] for w in workers if w in self._workers}
         result = dict.fromkeys(wanted, 0)
         learned = exact = 0  # bits reading the routing-learned / the event map
         for wb in wanted.values():
-            if wb.mode != EXACT:
+            if wb.mode != EXACT or learned_only:
                 learned |= wb.bit
-            if wb.mode != APPROXIMATE:
+            if wb.mode != APPROXIMATE and not learned_only:
                 exact |= wb.bit
         active = learned | exact
         masks, event_masks = self._masks, self._event_masks
@@ -315,17 +330,6 @@ class PrefixDirectory:
         for w, wb in wanted.items():
             if active & wb.bit:
                 result[w] = depth
-        return result
-
-    def _match(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
-        """:meth:`match`, with a slot engine's match the prefix it would really reuse:
-        its prompts' blocks are all in the index, but it restores at most one of them
-        (:meth:`SlotMemory.reuse`)."""
-        result = self._match_blocks(hashes, workers)
-        for w in result:
-            memory = self._workers[w].memory
-            if memory is not None and result[w]:
-                result[w] = memory.reuse(hashes)
         return result
 
     # -- engine events (exact mode) ------------------------------------------------------------
@@ -393,6 +397,45 @@ class PrefixDirectory:
         if wb.memory is not None:
             wb.refs.clear()
             wb.memory.clear()
+
+    # -- engine restarts ------------------------------------------------------------------------
+    def restarted(self, worker: str, process_start: float | None = None) -> None:
+        """A scrape found a new engine process behind ``worker`` (started at
+        ``process_start``, the engine's clock; None: counters went back): its cache is
+        empty, so both sets are emptied and the restart count (:meth:`epoch`) goes up, which
+        tells the event stream to expect the new publisher from its batch 0. Unless the
+        event stream already follows the new process from its first batch (an event came
+        before the scrape: its batch 0 is stamped after the process started, on the same
+        clock): then the event set is the new engine's truth and only the routing-learned
+        set, about the old process, is emptied."""
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        fresh = (wb.events_since is not None and process_start is not None
+                 and wb.events_since >= process_start)
+        if fresh:
+            for h in wb.held():
+                self._clear(h, wb.bit)
+            wb.lru.clear()
+            if wb.memory is not None:
+                wb.refs.clear()
+                wb.memory.clear()
+            return
+        self.cleared(worker)
+        wb.epoch += 1
+        wb.events_since = None
+
+    def events_fresh(self, worker: str, since: float | None) -> None:
+        """The event set follows ``worker``'s publisher from its batch 0, stamped ``since``
+        (the engine's clock; None: unknown)."""
+        wb = self._workers.get(worker)
+        if wb is not None:
+            wb.events_since = since
+
+    def epoch(self, worker: str) -> int:
+        """How many engine restarts the scrape has found for ``worker``."""
+        wb = self._workers.get(worker)
+        return wb.epoch if wb is not None else 0
 
     def event_blocks(self, worker: str) -> frozenset[int]:
         wb = self._workers.get(worker)

@@ -47,6 +47,10 @@ class Fingerprint:
     hashes: tuple[int, ...]
     tokens: int
     block_size: int
+    # Set when the pool hashes as its engines do (exact) but this request could not be
+    # reproduced exactly (cachepilot.core.vllm_prompt.NotExact's reason): its hashes are the
+    # approximate scheme's, matched against the routing-learned directory only.
+    fallback: str | None = None
 
     @property
     def blocks(self) -> int:
@@ -129,7 +133,8 @@ def vllm_none_hash(seed: str = VLLM_DEFAULT_SEED) -> bytes:
     return sha256_cbor(seed)
 
 
-_none_hash = functools.lru_cache(maxsize=8)(vllm_none_hash)
+cached_none_hash = functools.lru_cache(maxsize=8)(vllm_none_hash)
+_none_hash = cached_none_hash
 
 
 def external_hash(digest: bytes) -> int:
@@ -138,19 +143,30 @@ def external_hash(digest: bytes) -> int:
 
 
 def vllm_block_hashes(token_ids: Sequence[int], block_size: int,
-                      none_hash: bytes, extra_keys: tuple[object, ...] | None = None,
+                      none_hash: bytes, extra_keys: tuple[object, ...] | None = None, *,
+                      lora: tuple[str, str] | None = None, cache_salt: str | None = None,
                       ) -> list[int]:
     """The event-form hashes of every *full* block of ``token_ids``, as vLLM computes them.
 
-    ``token_ids`` are the engine's prompt ids (BOS included: tokenised as vLLM does for
-    /v1/completions); ``none_hash`` is :func:`vllm_none_hash` of the engine's seed. The same
-    ``extra_keys`` go into every block (None without LoRA, multimodal inputs or cache_salt).
+    ``token_ids`` are the engine's prompt ids (:mod:`cachepilot.core.vllm_prompt`);
+    ``none_hash`` is :func:`vllm_none_hash` of the engine's seed. Each block's extra keys are
+    vLLM 0.32's ``generate_block_hash_extra_keys``: ``("lora", name, path)`` on every block of
+    a LoRA request, then ``("cache_salt", salt)`` on the first block only (it still changes
+    every later hash through the chain); None when a block has none. ``extra_keys``, if
+    given instead, goes into every block as it is (vectors of vLLM's ``hash_block_tokens``).
     """
     out: list[int] = []
     parent = none_hash
     ids = list(token_ids)
+    lora_key = ("lora", *lora) if lora is not None else None
     for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = sha256_cbor((parent, tuple(ids[start:start + block_size]), extra_keys))
+        keys = extra_keys
+        if lora_key is not None or cache_salt:
+            tagged = [lora_key] if lora_key is not None else []
+            if cache_salt and start == 0:
+                tagged.append(("cache_salt", cache_salt))
+            keys = tuple(tagged) or None
+        parent = sha256_cbor((parent, tuple(ids[start:start + block_size]), keys))
         out.append(external_hash(parent))
     return out
 

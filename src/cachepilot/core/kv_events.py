@@ -62,7 +62,15 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """An event the adapter could not read (an unknown type or shape: a wire format it does
+    not know). Whatever it said is lost, so it is applied as a hole in the history."""
+
+    reason: str = ""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | Unreadable
 Batch = tuple[int, Sequence[KVEvent]]  # (sequence number, events)
 
 
@@ -80,6 +88,8 @@ class StreamCounters:
     stale: int = 0  # fallbacks to approximate after silence
     dropped_pending: int = 0  # live batches dropped while a replay was awaited (overflow)
     malformed: int = 0  # frames or events the adapter could not decode (it counts them)
+    unreadable: int = 0  # Unreadable events applied (each a hole: degraded)
+    engine_restarts: int = 0  # restarts the worker's scrape saw (the directory's epoch)
 
 
 @dataclass(slots=True)
@@ -111,9 +121,15 @@ class EventStream:
     # group_idx → kind, learned from BlockStored (BlockRemoved carries only the group).
     groups: dict[int, str | None] = field(default_factory=dict)
     last_aged: float | None = None
+    last_error: str | None = None  # the last Unreadable event's reason
+    zero_ts: float | None = None  # the timestamp of the publisher's batch 0 (note_ts)
+    # The directory's restart count for this worker when the stream last looked: a scrape
+    # that finds a new engine process bumps it (PrefixDirectory.restarted).
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         self.directory.set_mode(self.worker, APPROXIMATE)
+        self.epoch = self.directory.epoch(self.worker)
 
     # -- what the adapter calls ------------------------------------------------------------
     @property
@@ -121,10 +137,11 @@ class EventStream:
         return self.directory.mode(self.worker) or APPROXIMATE
 
     def on_live(self, seq: int, events: Sequence[KVEvent], now: float) -> None:
+        self._check_epoch(now)
         self.last_heard = now
         if self.next_seq is not None and seq < self.next_seq:
             # The live socket never repeats a number: the publisher restarted, and a
-            # restarted engine's cache is empty.
+            # restarted engine's cache is empty. (A gap goes forward: held and replayed.)
             self.counters.restarts += 1
             self._reset(clear=True)
         if self.next_seq is None:
@@ -149,8 +166,15 @@ class EventStream:
         elif not self.can_replay:
             self._fill(ended=True)
 
+    def note_ts(self, seq: int, ts: float) -> None:
+        """A decoded batch's timestamp (the engine's clock). Batch 0's tells a restart seen
+        by its events from one a later scrape sees (PrefixDirectory.restarted)."""
+        if seq == 0:
+            self.zero_ts = ts
+
     def replay_wanted(self, now: float) -> int | None:
         """A replay start number to request now, or None. Marks it in flight."""
+        self._check_epoch(now)
         if not self.can_replay:
             return None
         if self.replay_from is not None:
@@ -188,6 +212,7 @@ class EventStream:
         """Fall back to approximate when the publisher has not answered for ``stale_after``
         (only with a replay endpoint: without one, vLLM's idle silence looks the same), and
         age the directory's pending (routed, unannounced) blocks."""
+        self._check_epoch(now)
         if self.last_aged is None:
             self.last_aged = now
         elif now - self.last_aged >= self.pending_every:
@@ -200,6 +225,20 @@ class EventStream:
             self.last_heard = None  # rejoin (replay from 0) once it answers
 
     # -- internals ----------------------------------------------------------------------------
+    def _check_epoch(self, now: float) -> None:
+        """The worker's scrape saw a new engine process (PrefixDirectory.restarted, which
+        already emptied its sets): its publisher starts again at 0, with an empty cache.
+        So the history is complete and empty; the new publisher's first batch is 0 (a later
+        first number is a gap, replayed from 0)."""
+        epoch = self.directory.epoch(self.worker)
+        if epoch == self.epoch:
+            return
+        self.counters.engine_restarts += epoch - self.epoch
+        self.epoch = epoch
+        self._reset(clear=False)
+        self._start(complete=True)
+        self.last_heard = now  # silence is judged from here
+
     def _fill(self, *, ended: bool) -> None:
         """Apply held batches from ``next_seq`` on, starting after a hole where one is left."""
         if self.next_seq is None:
@@ -265,6 +304,15 @@ class EventStream:
                     c.ignored_events += 1
                     continue
                 d.removed(w, ev.hashes)
+            elif isinstance(ev, Unreadable):
+                # Whatever it said (a removal?) is lost: the set can no longer be trusted
+                # whole. Blocks stored from here on are certain: degraded, as after a hole.
+                c.unreadable += 1
+                self.last_error = f"batch {seq}: {ev.reason}"
+                self.complete = False
+                d.set_mode(w, APPROXIMATE)
+                d.set_mode(w, DEGRADED)
+                continue
             else:
                 d.cleared(w)
                 if not self.complete:  # the engine's truth is known again: empty
@@ -272,11 +320,14 @@ class EventStream:
                     d.set_mode(w, EXACT)
             c.events += 1
         c.batches += 1
+        if seq == 0 and self.complete:  # the publisher's history from its very start
+            d.events_fresh(w, self.zero_ts)
         self.next_seq = seq + 1
 
     def status(self) -> dict[str, object]:
         c = self.counters
         return {"mode": self.mode, "next_seq": self.next_seq, "complete": self.complete,
+                "last_error": self.last_error,
                 "pending": len(self.pending), "replay_in_flight": self.replay_from is not None,
                 "event_blocks": len(self.directory.event_blocks(self.worker)),
                 **{k: getattr(c, k) for k in c.__slots__}}

@@ -10,6 +10,7 @@ from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig
 from cachepilot.core.policies import Policy, make_policy
+from cachepilot.core.vllm_prompt import VllmPrompts
 from cachepilot.core.workers import WorkerMetrics, WorkerSnapshot, WorkerState
 
 
@@ -45,6 +46,11 @@ class Pool:
         self.policy.bind(self)
         self.workers: dict[str, WorkerState] = {}
         self.directory = PrefixDirectory(spec.capacity_blocks)
+        # How the pool's engines turn a request into prompt tokens (vLLM pools hashing
+        # exactly: tokenizer, chat template, LoRA adapters), loaded by whoever built the
+        # pool; None: the router's.
+        self.prompts: VllmPrompts | None = None
+        self.own_prompts = False  # the pool names its own (never the router's, even if None)
         self.seq = 0
         self._rate = 0.0  # requests/s, exponentially weighted over RATE_WINDOW_S
         self._rate_at = 0.0
@@ -152,13 +158,12 @@ class Pool:
         if "scrape" in w.down or "connect" in w.down:
             self.set_down(address, "scrape", None)
             self.set_down(address, "connect", None)
-        old = w.metrics
-        if (old is not None and old.prefix_queries is not None
-                and metrics.prefix_queries is not None
-                and metrics.prefix_queries < old.prefix_queries):
-            # Cumulative counters went back: the engine restarted, and its cache is empty.
-            self.directory.remove_worker(address)
-            self.directory.add_worker(address)
+        if engine_restarted(w.metrics, metrics):
+            # A new engine process at the same address: its cache is empty. Done before the
+            # worker can be picked again (this scrape brings it back), so no request is
+            # predicted a hit on a block the old process held.
+            w.engine_restarts += 1
+            self.directory.restarted(address, metrics.process_start)
         # The waiting requests beyond those this router had pending are someone else's.
         w.metrics = metrics = replace(metrics, router_pending=w.pending_requests)
         if metrics.waiting > 0:
@@ -175,3 +180,15 @@ class Pool:
                 address, metrics.slots, slot_blocks, entries=max(0, cache),
                 max_blocks=metrics.slots * slot_blocks if cache < 0 else None,
                 min_reuse=self.spec.min_reuse_tokens // bs)
+
+
+def engine_restarted(old: WorkerMetrics | None, new: WorkerMetrics) -> bool:
+    """A scrape says the engine is a new process: its start time changed (vLLM and other
+    Python servers export prometheus_client's ``process_start_time_seconds``), or, where
+    there is none, its cumulative prefix-cache counters went back."""
+    if old is None:
+        return False
+    if old.process_start is not None and new.process_start is not None:
+        return new.process_start != old.process_start
+    return (old.prefix_queries is not None and new.prefix_queries is not None
+            and new.prefix_queries < old.prefix_queries)

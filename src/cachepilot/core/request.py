@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -47,6 +47,10 @@ class InferenceRequest:
     # Token offset where the user's own content starts (after shared system text), when the
     # driver knows it (the simulator); policies modelled on prefix-hash routers key on it.
     user_start: int = 0
+    # The parsed JSON body, for what the engine's own prompt path reads beyond the prompt
+    # (chat fields, cache_salt, add_special_tokens: cachepilot.core.vllm_prompt). Never
+    # recorded.
+    body: Any = field(default=None, repr=False, compare=False)
 
 
 def inference_path(path: str) -> str | None:
@@ -127,9 +131,9 @@ def parse_openai_body(path: str, body: bytes) -> InferenceRequest:
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list")
         return InferenceRequest(model=model, prompt=flatten_messages(messages), stream=stream,
-                                max_tokens=max_tokens, kind="chat")
+                                max_tokens=max_tokens, kind="chat", body=data)
     if "prompt" not in data:
         raise RequestError(400, "'prompt' is required")
     text, ids = _prompt_of(data["prompt"])
     return InferenceRequest(model=model, prompt=text, token_ids=ids, stream=stream,
-                            max_tokens=max_tokens, kind="completion")
+                            max_tokens=max_tokens, kind="completion", body=data)

@@ -24,6 +24,7 @@ from cachepilot.core.lifecycle import Outcome, Plugin, Response
 from cachepilot.core.policies import Context, pick
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.request import InferenceRequest, RequestError
+from cachepilot.core.vllm_prompt import VllmPrompts, engine_fingerprint
 
 
 class Router:
@@ -32,9 +33,13 @@ class Router:
     ``release``, calling the pool's policy and then ``plugins`` at each step."""
 
     def __init__(self, pools: Iterable[Pool] = (), *, id_prefix: str | None = None,
-                 tokenizer: Tokenizer | None = None, plugins: Sequence[Plugin] = ()) -> None:
+                 tokenizer: Tokenizer | None = None, plugins: Sequence[Plugin] = (),
+                 prompts: VllmPrompts | None = None) -> None:
         self.pools: dict[str, Pool] = {p.name: p for p in pools}
         self.tokenizer = tokenizer
+        # The engines' prompt path (tokenizer, chat template, LoRA adapters) for pools that
+        # hash as vLLM does and have none of their own (Pool.prompts).
+        self.prompts = prompts
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self._id_prefix = id_prefix if id_prefix is not None else os.urandom(4).hex()
         self._counter = 0
@@ -65,7 +70,11 @@ class Router:
     def fingerprint(self, req: InferenceRequest, pool: Pool) -> Fingerprint:
         if isinstance(req.fingerprint, Fingerprint):
             return req.fingerprint
-        return fingerprint(req.model, pool.spec.block, text=req.prompt,
+        block = pool.spec.block
+        if block.vllm_seed is not None:  # exact where the engine's prompt is reproduced
+            prompts = pool.prompts if pool.own_prompts else pool.prompts or self.prompts
+            return engine_fingerprint(req, req.model, block, prompts, self.tokenizer)
+        return fingerprint(req.model, block, text=req.prompt,
                            token_ids=req.token_ids, tokenizer=self.tokenizer)
 
     def next_id(self) -> str:
@@ -96,7 +105,7 @@ class Router:
         decision.prefill_pending = True
         worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
-        pool.directory.insert(decision.chosen, fp.hashes)
+        pool.directory.insert(decision.chosen, fp.hashes, learned_only=fp.fallback is not None)
         pool.note_arrival(now, decision.uncached_tokens)
         if started is not None:
             decision.latency_s = time.perf_counter() - started
@@ -120,7 +129,8 @@ class Router:
         pool rebuilt from the record (:mod:`cachepilot.records.replay`)."""
         spec = pool.spec
         cost = spec.cost
-        matches = pool.directory.match(fp.hashes, pool.workers)
+        matches = pool.directory.match(fp.hashes, pool.workers,
+                                       learned_only=fp.fallback is not None)
         rate = pool.arrival_rate(now)
         # Arrivals per ms at one worker, if the pool's recent rate spread evenly.
         lam = rate / 1000.0 / max(1, len(pool.workers))
@@ -183,6 +193,7 @@ class Router:
             weights=pool.spec.weights.to_dict(), seq=ctx.seq, tokens=fp.tokens,
             block_size=fp.block_size, hashes=fp.hashes, candidates=cands,
             chosen=chosen.worker, margin_ms=margin, reason=_reason(chosen, eligible, margin),
+            fallback=fp.fallback,
         )
 
     def responded(self, decision: Decision, response: Response) -> None:
@@ -243,7 +254,8 @@ class Router:
 def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],
                   block: BlockConfig, capacity_blocks: int, engine: str,
                   cost: CostModel | None = None, pool_name: str = "default",
-                  tokenizer: Tokenizer | None = None, prompt_cache: int = 0,
+                  tokenizer: Tokenizer | None = None,
+                  prompts: VllmPrompts | None = None, prompt_cache: int = 0,
                   min_reuse_tokens: int = 0) -> Router:
     """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
     spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
@@ -252,7 +264,7 @@ def static_router(workers: list[str], *, policy: str, weights: Weights, models: 
     pool = Pool(spec)
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})
-    return Router([pool], tokenizer=tokenizer)
+    return Router([pool], tokenizer=tokenizer, prompts=prompts)
 
 
 def _no_worker(pool: Pool, cands: list[Candidate], only: Collection[str] | None

@@ -44,6 +44,9 @@ class Placed:
     hashes: tuple[int, ...]
     uncached_tokens: int
     kind: str = "placed"
+    # The hashes are the approximate scheme's (the request fell back from an exact pool's
+    # engine hashes): routing-learned only, never pending (Decision.fallback).
+    approximate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +84,12 @@ _KINDS: dict[str, type] = {"placed": Placed, "prefilled": Prefilled, "finished":
 
 def event_to_dict(e: SyncEvent) -> dict[str, Any]:
     if isinstance(e, Placed):
-        return {"kind": e.kind, "replica": e.replica, "id": e.id, "pool": e.pool,
-                "worker": e.worker, "hashes": list(e.hashes),
-                "uncached_tokens": e.uncached_tokens}
+        out = {"kind": e.kind, "replica": e.replica, "id": e.id, "pool": e.pool,
+               "worker": e.worker, "hashes": list(e.hashes),
+               "uncached_tokens": e.uncached_tokens}
+        if e.approximate:
+            out["approximate"] = True
+        return out
     if isinstance(e, InFlight):
         return {"kind": e.kind, "replica": e.replica, "ids": list(e.ids)}
     return {"kind": e.kind, "replica": e.replica, "id": e.id}
@@ -95,7 +101,8 @@ def event_from_dict(d: dict[str, Any]) -> SyncEvent:
         cls = _KINDS[d["kind"]]
         if cls is Placed:
             return Placed(str(d["replica"]), str(d["id"]), str(d["pool"]), str(d["worker"]),
-                          tuple(int(h) for h in d["hashes"]), int(d["uncached_tokens"]))
+                          tuple(int(h) for h in d["hashes"]), int(d["uncached_tokens"]),
+                          approximate=bool(d.get("approximate", False)))
         if cls is InFlight:
             if not isinstance(d["ids"], list):
                 raise TypeError("ids is not a list")
@@ -144,7 +151,7 @@ class ReplicaSync(Plugin):
 
     def on_routed(self, decision: Decision, pool: Pool) -> None:
         e = Placed(self.replica, decision.id, decision.pool, decision.chosen, decision.hashes,
-                   decision.uncached_tokens)
+                   decision.uncached_tokens, approximate=decision.fallback is not None)
         self._emit(e)
         self._recent.append(e)
         self._open.add(e.id)
@@ -194,7 +201,7 @@ class ReplicaSync(Plugin):
             w = None if pool is None else pool.workers.get(e.worker)
             if pool is None or w is None or key in self._remote:
                 return
-            pool.directory.insert(e.worker, e.hashes)
+            pool.directory.insert(e.worker, e.hashes, learned_only=e.approximate)
             # The pool's arrival rate prices congestion: it must count every replica's
             # arrivals, or each of N replicas sees a burst at 1/N of its rate.
             if live:

@@ -30,6 +30,10 @@ class WorkerMetrics:
     # sequences run, a newcomer waits for one to finish. None: unknown.
     max_batch: int | None = None
     scraped_at: float = 0.0  # caller's clock
+    # The engine process's start (Prometheus' process_start_time_seconds, Unix seconds):
+    # a new value means a new process, whose cache is empty. None: not exported (vLLM with
+    # several API servers, other engines).
+    process_start: float | None = None
     # Requests this router had sent there without a first token when the scrape was stored
     # (set by Pool.update_metrics): the waiting requests beyond it are someone else's.
     router_pending: int = 0
@@ -95,6 +99,7 @@ class WorkerState:
     # Largest running count seen while requests waited: the engine's batch size, learned.
     batch_cap_seen: int = 0
     scrape_error: str | None = None
+    engine_restarts: int = 0  # new engine processes its scrapes found (Pool.update_metrics)
     # This worker's learned TTFT model (cachepilot.core.predictor); None: the pool's prior.
     ttft: TTFTParams | None = None
     labels: dict[str, str] = field(default_factory=dict)

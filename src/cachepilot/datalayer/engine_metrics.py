@@ -90,6 +90,9 @@ def parse_metrics(text: str, engine: str, scraped_at: float) -> WorkerMetrics:
         block_size=block_size, num_blocks=num_blocks,
         prefix_queries=queries, prefix_hits=hits,
         scraped_at=scraped_at,
+        # prometheus_client's process collector (vLLM with one API server: its default
+        # registry); the engine's identity across restarts at the same address.
+        process_start=_first(samples, ("process_start_time_seconds",)),
     )
 
 

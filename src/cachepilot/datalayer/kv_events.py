@@ -1,23 +1,26 @@
 """Subscribe to each worker's KV-cache events (vLLM's ZMQ publisher) and keep the directory
 exact: the I/O half of :mod:`cachepilot.core.kv_events`.
 
-Wire format (vLLM 0.32 ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``):
+Transport (every vLLM release since the publisher's first, ``vllm/distributed/kv_events.py``,
+``ZmqEventPublisher``):
 
-- PUB: multipart ``[topic, seq (8 bytes big-endian), payload]``; ``payload`` is msgpack of
-  ``KVEventBatch`` = ``[ts, [event…], data_parallel_rank]`` (an array-like struct); each
-  event a map tagged ``"type"``: ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``,
-  fields at their defaults omitted. Block hashes are unsigned 64-bit ints (bytes when the
-  engine has ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: then their last 8 bytes count).
+- PUB: multipart ``[topic, seq (8 bytes big-endian), payload]``; ``payload`` is msgpack of a
+  ``KVEventBatch``, whose events changed shape over the releases: every generation is read
+  (:mod:`cachepilot.datalayer.kv_wire`) and the one a worker speaks is in ``/workers``.
+  Block hashes are unsigned 64-bit ints (bytes when the engine has
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: then their last 8 bytes count).
 - ROUTER (replay): send ``[b"", start (8 bytes big-endian)]`` from a DEALER; the answer is
   ``[b"", topic, seq, payload]`` per buffered batch with ``seq ≥ start``, then
-  ``[b"", b"", -1, b""]`` (0.32, seen live here; older releases omit the topic frame).
+  ``[b"", b"", -1, b""]`` (since 2f3f441f, #45177; before it without the topic frame:
+  both are read).
 
 One :class:`KVEventHub` serves the gateway: :meth:`KVEventHub.attach` a worker (its
 directory, PUB and replay endpoints), :meth:`KVEventHub.detach` it, read
 :meth:`KVEventHub.status` for ``/workers`` and the metrics. It runs in the gateway's event
 loop (``zmq.asyncio``), so the directory is only ever touched from that loop. A malformed or
 hostile stream (garbage frames, unknown event types, absurd block counts, floods) is counted
-and skipped; it can only cost its own worker its exactness.
+and shown as the worker's ``error``; an event it cannot read is a hole in that worker's
+history (degraded), never silently nothing. It can only cost its own worker its exactness.
 """
 
 from __future__ import annotations
@@ -30,112 +33,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from cachepilot.core.directory import PrefixDirectory
-from cachepilot.core.fingerprint import external_hash
-from cachepilot.core.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventStream,
-    KVEvent,
-)
+from cachepilot.core.kv_events import EventStream, KVEvent, Unreadable
+from cachepilot.datalayer.kv_wire import MalformedBatch, WireFormat, decode_batch
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_FRAME_BYTES = 64 << 20  # ZMQ drops larger messages before we ever see them
-MAX_BLOCKS_PER_EVENT = 1 << 16  # 2M tokens at block size 32: more is not an engine's event
-MAX_EVENTS_PER_BATCH = 1 << 16
 RECV_BUDGET = 512  # messages per socket per loop turn: a flood cannot starve the gateway
-
-
-# -- wire format (mirrors vLLM's msgspec structs; unknown fields are ignored) ----------------
-Hash = int | bytes
-
-
-class WireBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
-
-
-class WireBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class WireBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class WireAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True):
-    pass
-
-
-WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
-
-_batch_decoder = msgspec.msgpack.Decoder(WireBatch)
-_event_decoder = msgspec.msgpack.Decoder(WireEvent)  # type: ignore[arg-type]
-
-
-class MalformedBatch(ValueError):
-    pass
-
-
-def _h(x: Hash) -> int:
-    return external_hash(x) if isinstance(x, bytes) else x & 0xFFFF_FFFF_FFFF_FFFF
-
-
-def decode_batch(payload: bytes) -> tuple[list[KVEvent], int]:
-    """A payload's events as core events, and how many events were skipped (unknown type,
-    wrong shape, absurd size). Raises :class:`MalformedBatch` if the batch itself is not
-    one (then it counts as missing: the next batch shows the gap)."""
-    try:
-        batch = _batch_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedBatch(str(exc)) from None
-    if len(batch.events) > MAX_EVENTS_PER_BATCH:
-        raise MalformedBatch(f"{len(batch.events)} events in one batch")
-    out: list[KVEvent] = []
-    skipped = 0
-    for raw in batch.events:
-        try:
-            ev = _event_decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            skipped += 1
-            continue
-        if isinstance(ev, WireBlockStored):
-            if len(ev.block_hashes) > MAX_BLOCKS_PER_EVENT:
-                skipped += 1
-                continue
-            parent = _h(ev.parent_block_hash) if ev.parent_block_hash is not None else None
-            out.append(BlockStored(tuple(_h(x) for x in ev.block_hashes), parent,
-                                   ev.block_size or None, ev.group_idx,
-                                   ev.kv_cache_spec_kind, ev.medium))
-        elif isinstance(ev, WireBlockRemoved):
-            if len(ev.block_hashes) > MAX_BLOCKS_PER_EVENT:
-                skipped += 1
-                continue
-            out.append(BlockRemoved(tuple(_h(x) for x in ev.block_hashes), ev.group_idx,
-                                    ev.medium))
-        else:
-            out.append(AllBlocksCleared())
-    return out, skipped
 
 
 # -- one worker's subscription --------------------------------------------------------------
@@ -154,8 +63,31 @@ class _Subscription:
     stream: EventStream
     task: asyncio.Task[None] | None = None
     malformed_frames: int = 0
-    skipped_events: int = 0
+    skipped_events: int = 0  # events decoded as Unreadable (live and replayed)
     connected_at: float = field(default_factory=time.monotonic)
+    wire: WireFormat | None = None  # the wire format the publisher speaks, as seen so far
+    error: str | None = None  # why the last frame or event could not be read; None: fine
+
+    def decode(self, seq: int, payload: bytes) -> list[KVEvent] | None:
+        """A payload's events (None: not a batch, counted as malformed), noting the wire
+        format, any event it could not read and batch 0's timestamp."""
+        try:
+            events, fmt, ts = decode_batch(payload)
+        except MalformedBatch as exc:
+            self.malformed_frames += 1
+            self.error = f"undecodable batch: {exc}"
+            return None
+        if fmt.events != "none" and (self.wire is None or fmt.events != self.wire.events):
+            log.info("KV events of %s: %s", self.worker, fmt.generation()[1])
+        self.wire = fmt.merged(self.wire)
+        self.stream.note_ts(seq, ts)
+        bad = [e.reason for e in events if isinstance(e, Unreadable)]
+        if bad:
+            self.skipped_events += len(bad)
+            self.error = f"unreadable event: {bad[0]}"
+        elif events:
+            self.error = None
+        return events
 
 
 class KVEventHub:
@@ -220,6 +152,8 @@ class KVEventHub:
             st = sub.stream.status()
             st["malformed"] = sub.malformed_frames
             st["skipped_events"] = sub.skipped_events
+            st["wire_format"] = sub.wire.status() if sub.wire is not None else None
+            st["error"] = sub.error
             st["endpoint"] = sub.endpoints.events
             st["replay_endpoint"] = sub.endpoints.replay
             out[w] = st
@@ -307,14 +241,12 @@ class KVEventHub:
                 return
             if len(frames) != 3 or len(frames[1]) != 8:
                 sub.malformed_frames += 1
+                sub.error = f"a live message of {len(frames)} frames, not [topic, seq, batch]"
                 continue
-            try:
-                events, skipped = decode_batch(frames[2])
-            except MalformedBatch:
-                sub.malformed_frames += 1
-                continue
-            sub.skipped_events += skipped
-            sub.stream.on_live(int.from_bytes(frames[1], "big"), events, now)
+            seq = int.from_bytes(frames[1], "big")
+            events = sub.decode(seq, frames[2])
+            if events is not None:
+                sub.stream.on_live(seq, events, now)
         await asyncio.sleep(0)  # a flood: let the gateway's other work run
 
     async def _drain_replay(self, sub: _Subscription, dealer: zmq.asyncio.Socket,
@@ -329,17 +261,15 @@ class KVEventHub:
                 return False
             if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
                 sub.malformed_frames += 1
+                sub.error = f"a replay answer of {len(frames)} frames"
                 continue
             seq_bytes, payload = frames[-2], frames[-1]
             if seq_bytes == END_SEQ:
                 return True
-            try:
-                events, skipped = decode_batch(payload)
-            except MalformedBatch:
-                sub.malformed_frames += 1
-                continue
-            sub.skipped_events += skipped
-            into.append((int.from_bytes(seq_bytes, "big"), events))
+            seq = int.from_bytes(seq_bytes, "big")
+            events = sub.decode(seq, payload)
+            if events is not None:
+                into.append((seq, events))
         return False
 
 

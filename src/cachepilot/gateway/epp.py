@@ -12,7 +12,8 @@ every phase on it, bodies FULL_DUPLEX_STREAMED both ways:
   last one the body is parsed, the model rewritten if asked, and the one core Router picks a
   worker. The answer: the headers response with ``x-gateway-destination-endpoint`` and the
   same value in dynamic metadata ``envoy.lb``, then the body handed back as streamed chunks
-  (in full-duplex mode Envoy forwards only what the processor sends back). A request that
+  (in full-duplex mode Envoy forwards only what the processor sends back); body messages
+  after the end (a duplicate end-of-stream chunk, GIE #2988) are ignored. A request that
   cannot be routed gets an ImmediateResponse: 400 bad body, 404 unknown model, 413 too
   large, 429 every worker full, 503 no eligible endpoint.
 * response headers: the proxy reports who served it (``envoy.lb`` /
@@ -118,6 +119,9 @@ class EppStream:
         self.client_model = ""
         self.hint: frozenset[str] | None = None
         self.routed = False  # the headers response has been sent
+        # The request body's end was handed back: later request-body messages (Envoy >= 1.35
+        # re-delivers the last chunk of a large body, GIE #2988, envoy #46237) are ignored.
+        self.request_ended = False
         self.failed = False  # an ImmediateResponse ended the exchange
         self.body = bytearray()
         self.response_held = bytearray()  # a non-streamed answer that needs rewriting
@@ -208,6 +212,9 @@ class EppStream:
 
     def _request_body(self, data: bytes, eos: bool, *, last: bool = False
                       ) -> list[ep.ProcessingResponse]:
+        if self.request_ended:
+            return []
+        self.request_ended = eos
         if self.routed:  # not inference: hand each chunk straight back
             return streamed_body(data, eos, response=False)
         self.body += data

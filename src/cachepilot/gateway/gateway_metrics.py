@@ -44,6 +44,10 @@ KV_EVENT_COUNTERS: dict[str, tuple[str, str]] = {
                  "KV-event publisher restarts seen (sequence numbers went back)"),
     "malformed": ("cachepilot_kv_event_malformed_frames",
                   "KV-event frames that could not be decoded, skipped"),
+    "unreadable": ("cachepilot_kv_event_unreadable_events",
+                          "KV events of a type or shape the gateway cannot read (the "
+                          "worker's event history gets a hole: degraded)"),
+
     "batches": ("cachepilot_kv_event_batches", "KV-event batches applied to the directory"),
 }
 
@@ -67,6 +71,27 @@ class _KVEventCollector(Collector):
             yield CounterMetricFamily(name, doc, labels=["pool", "worker"])
 
 
+class _RestartCollector(Collector):
+    """Engine restarts each worker's scrapes found (a new process at the same address: its
+    blocks were dropped from the directory), as of the last refresh."""
+
+    NAME = "cachepilot_engine_restarts"
+    DOC = ("Engine restarts a worker's scrapes found (process_start_time_seconds changed, or "
+           "its counters went back): the directory dropped its blocks")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, int]] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily(self.NAME, self.DOC, labels=["pool", "worker"])
+        for pool, worker, n in self.rows:
+            fam.add_metric([pool, worker], float(n))
+        yield fam
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, self.DOC, labels=["pool", "worker"])
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
@@ -79,6 +104,11 @@ class GatewayMetrics:
         self.predicted_hits = Counter("cachepilot_predicted_hits",
                                       "Decisions predicted to hit a cached prefix",
                                       ["pool"], registry=r)
+        self.exact_fallbacks = Counter(
+            "cachepilot_exact_fallbacks",
+            "Requests in a pool hashing as its vLLM engines do whose prompt could not be "
+            "reproduced exactly, matched on the approximate directory instead, by reason",
+            ["pool", "reason"], registry=r)
         # -- outcomes: prediction vs measurement ----------------------------------------------
         self.hit_outcomes = Counter("cachepilot_hit_outcomes",
                                     "Predicted vs measured cache hits (from the worker's usage)",
@@ -137,6 +167,8 @@ class GatewayMetrics:
                         self.w_pending, self.w_ready, self.w_blocks, self.w_mode)
         self._kv_events = _KVEventCollector()
         r.register(self._kv_events)
+        self._restarts = _RestartCollector()
+        r.register(self._restarts)
 
     # -- what the processor reports ---------------------------------------------------------
     def request_error(self, code: int, source: str = "gateway") -> None:
@@ -171,6 +203,7 @@ class GatewayMetrics:
         for g in self._gauges:
             g.clear()
         rows = []
+        restarts = []
         for pool in router.pools.values():
             blocks = pool.directory.stats()
             for addr, w in pool.workers.items():
@@ -190,4 +223,6 @@ class GatewayMetrics:
                     self.w_mode.labels(*key, mode).set(1 if mode == current else 0)
                 if kv_events and addr in kv_events:
                     rows.append((pool.name, addr, kv_events[addr]))
+                restarts.append((pool.name, addr, w.engine_restarts))
         self._kv_events.rows = rows
+        self._restarts.rows = restarts

@@ -35,6 +35,8 @@ class MetricsPlugin(Plugin):
         m.decisions.labels(decision.pool, decision.policy, "routed").inc()
         if decision.predicted_hit:
             m.predicted_hits.labels(decision.pool).inc()
+        if decision.fallback is not None:
+            m.exact_fallbacks.labels(decision.pool, decision.fallback).inc()
 
     def on_rejected(self, error: RequestError, request: InferenceRequest | None,
                     now: float) -> None:

@@ -232,6 +232,8 @@ class Gateway:
                             "kv_usage": m.kv_usage if m else None,
                             "scraped_at": m.scraped_at if m else None,
                             "scrape_error": w.scrape_error, "down": w.down,
+                            "engine_started": m.process_start if m else None,
+                            "engine_restarts": w.engine_restarts,
                             "directory_mode": pool.directory.mode(addr),
                             "kv_events": events.get(addr)})
         return web.json_response(out)

@@ -160,7 +160,38 @@ def spec_schema() -> dict[str, Any]:
                         "type": "string", "minLength": 1,
                         "description": "The workers' PYTHONHASHSEED: hash token blocks as "
                                        "vLLM does (sha256_cbor), so KV events name the same "
-                                       "blocks (needs the gateway's --tokenizer)."},
+                                       "blocks (needs tokenizer, or the gateway's "
+                                       "--tokenizer)."},
+                    "tokenizer": {
+                        "type": "object",
+                        "required": ["path"],
+                        "description": "The engines' prompt path, from files mounted into the "
+                                       "gateway's pod (docs/kubernetes.md): with vllmHashSeed, "
+                                       "completions, chat, LoRA and salted requests hash "
+                                       "exactly as vLLM does (docs/vllm.md).",
+                        "properties": {
+                            "path": {"type": "string", "minLength": 1,
+                                     "description": "The model folder (tokenizer.json, "
+                                                    "tokenizer_config.json, "
+                                                    "chat_template.jinja) or tokenizer.json."},
+                            "chatTemplate": {"type": "string", "minLength": 1,
+                                             "description": "The chat template file the "
+                                                            "workers got (--chat-template)."},
+                            "chatTemplateContentFormat": {
+                                "type": "string", "enum": ["auto", "string", "openai"],
+                                "default": "auto"},
+                            "loraModules": {
+                                "type": "array", "items": {"type": "string",
+                                                          "pattern": "^[^=]+=.+$"},
+                                "description": "name=path, exactly as the workers' "
+                                               "--lora-modules (the path is hashed)."},
+                            "servedModelNames": {
+                                "type": "array", "items": {"type": "string", "minLength": 1},
+                                "description": "The base model's names; other models that "
+                                               "are not LoRA modules are matched "
+                                               "approximately."},
+                        },
+                    },
                     "cost": {
                         "type": "object",
                         "description": "Cost-model parameters, milliseconds of time to "

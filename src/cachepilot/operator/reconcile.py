@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cachepilot.core import Pool, Router
+from cachepilot.datalayer.model_files import ModelFilesError, load_prompts, parse_lora_modules
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.events import EventPoster
@@ -121,13 +122,42 @@ class Reconciler:
         ps.error = None
         if ps.config is not None and ps.config == config:
             return  # a status-only or metadata-only change
+        previous = ps.config
         ps.config = config
         if ps.pool is None:
             ps.pool = Pool(config.spec)
             self.router.add_pool(ps.pool)
         else:
             ps.pool.reconfigure(config.spec)
+        if ps.pool.prompts is None or previous is None or previous.tokenizer != config.tokenizer:
+            self._load_prompts(ps, config)
         self._sync_all_pods(ps)
+
+    def _load_prompts(self, ps: PoolState, config: PoolConfig) -> None:
+        """Read the files ``spec.routing.tokenizer`` names (I/O at the edge: the router only
+        ever sees the loaded prompt path). A pool naming files that cannot be read hashes
+        nothing exactly (its requests fall back, counted as ``no_tokenizer``) rather than
+        borrow the gateway's tokenizer, which may be another model's."""
+        assert ps.pool is not None
+        src = config.tokenizer
+        ps.pool.own_prompts = src is not None
+        ps.pool.prompts = None
+        if src is None:
+            return
+        try:
+            ps.pool.prompts = load_prompts(
+                src.path, chat_template=src.chat_template, content_format=src.content_format,
+                lora_adapters=parse_lora_modules(src.lora_modules),
+                served_models=src.served_model_names)
+        except ModelFilesError as e:
+            self.events.emit(ps, "Warning", "TokenizerUnavailable",
+                             f"spec.routing.tokenizer: {e}; requests are matched "
+                             "approximately")
+            return
+        if ps.pool.prompts.template is None:
+            self.events.emit(ps, "Warning", "NoChatTemplate",
+                             f"no chat template for {src.path}: chat requests are matched "
+                             "approximately")
 
     # ---- InferencePools ------------------------------------------------------------------
 

@@ -71,6 +71,19 @@ class ScrapeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenizerSource:
+    """Where the gateway reads the pool's engines' prompt path (``spec.routing.tokenizer``):
+    files mounted into the gateway's pod, loaded by
+    :func:`cachepilot.datalayer.model_files.load_prompts` when the pool is applied."""
+
+    path: str  # a model folder (tokenizer.json, tokenizer_config.json, …) or tokenizer.json
+    chat_template: str | None = None  # the file the engines got with --chat-template
+    content_format: str = "auto"
+    lora_modules: tuple[str, ...] = ()  # name=path, as the engines' --lora-modules
+    served_model_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class KVEventsConfig:
     """Where each worker pod publishes vLLM's KV-cache events (``--kv-events-config``).
 
@@ -112,6 +125,7 @@ class PoolConfig:
     generation: int = 0
     inference_pool: str | None = None  # spec.inferencePoolRef.name
     kv_events: KVEventsConfig | None = None
+    tokenizer: TokenizerSource | None = None
 
     @property
     def selector(self) -> Selector:
@@ -206,6 +220,35 @@ def _kv_events(spec: Mapping[str, Any]) -> KVEventsConfig | None:
     return KVEventsConfig(port=port, port_annotation=annotation,
                           replay_port=_port_ref(kv.get("replayPort"), "spec.kvEvents.replayPort"),
                           replay=replay, topic=topic)
+
+
+def _tokenizer(routing: Mapping[str, Any]) -> TokenizerSource | None:
+    tok = routing.get("tokenizer")
+    if tok is None:
+        return None
+    where = "spec.routing.tokenizer"
+    if not isinstance(tok, Mapping) or not isinstance(tok.get("path"), str) or not tok["path"]:
+        raise InvalidSpec("InvalidSpec", f"{where}.path must name the mounted tokenizer")
+    template = tok.get("chatTemplate")
+    if template is not None and (not isinstance(template, str) or not template):
+        raise InvalidSpec("InvalidSpec", f"{where}.chatTemplate must be a file path")
+    fmt = tok.get("chatTemplateContentFormat", "auto")
+    if fmt not in ("auto", "string", "openai"):
+        raise InvalidSpec("InvalidSpec", f"{where}.chatTemplateContentFormat is auto, string "
+                          f"or openai, not {fmt!r}")
+    lists = {}
+    for key in ("loraModules", "servedModelNames"):
+        value = tok.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise InvalidSpec("InvalidSpec", f"{where}.{key} must be a list of strings")
+        lists[key] = tuple(value)
+    for module in lists["loraModules"]:
+        name, sep, path = module.partition("=")
+        if not (name and sep and path):
+            raise InvalidSpec("InvalidSpec", f"{where}.loraModules entries are name=path, as "
+                              f"vLLM's --lora-modules: {module!r}")
+    return TokenizerSource(tok["path"], template, fmt, lists["loraModules"],
+                           lists["servedModelNames"])
 
 
 def _inference_pool_ref(spec: Mapping[str, Any]) -> str | None:
@@ -308,6 +351,7 @@ def parse_pool(name: str, body: Mapping[str, Any],
         generation=int(generation),
         inference_pool=ref,
         kv_events=_kv_events(spec),
+        tokenizer=_tokenizer(routing),
     )
 
 

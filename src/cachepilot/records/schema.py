@@ -2,10 +2,11 @@
 
 A record holds everything ``cachepilot explain`` shows and everything ``cachepilot replay``
 needs to rebuild the router's inputs and call the same ``Router.decide``: every candidate
-with the worker state it was priced from (readiness, the scrape in force, requests in flight,
-pending prefill, learned batch size, calibrated overrides) and its priced terms in ms, the
-policy, its learned state, weights, decision counter and tie key (the decision id), plus,
-when the recorder was given the pool, the pool's cost model.
+with the worker snapshot it was priced from (readiness, the scrape in force, requests in
+flight, pending prefill, learned batch size, the worker's learned TTFT model) and its priced
+terms in ms, the policy, weights, decision counter and tie key (the decision id), plus,
+when the recorder was given the pool, the pool's cost model. (No live policy keeps state of
+its own: what is learned, each worker's TTFT model, is in its candidate.)
 
 Prompt text is never part of a record unless the caller passes ``capture_prompt``
 (the recorder only does so when the operator enabled prompt capture). The prefix is
@@ -103,6 +104,9 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
         "predicted_ttft_ms": winner.predicted_ttft_ms if winner else None,
         "predicted_hit": bool(winner and winner.matched_blocks > 0),
         "predicted_cached_tokens": winner.matched_tokens if winner else 0,
+        # Why the request was matched approximately in a pool hashing as its engines do
+        # (no chat template, multimodal, …); None: exactly, or the pool is approximate.
+        "exact_fallback": decision.fallback,
     }
     if cost is not None:
         rec["cost"] = dict(cost)

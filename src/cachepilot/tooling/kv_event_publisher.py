@@ -118,8 +118,12 @@ class KVEventPublisher:
     # -- publishing -------------------------------------------------------------------------
     def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int:
         """Send one batch; returns its sequence number."""
-        payload = self._encoder.encode(_Batch(time.time() if ts is None else ts,
-                                              [_wire(e) for e in events], 0))
+        return self.publish_payload(self._encoder.encode(
+            _Batch(time.time() if ts is None else ts, [_wire(e) for e in events], 0)))
+
+    def publish_payload(self, payload: bytes) -> int:
+        """Send one batch already encoded (another vLLM release's wire format), numbered and
+        kept for replay like any other; returns its sequence number."""
         with self._lock:
             seq = self._seq
             self._seq += 1

@@ -4,9 +4,10 @@
 Worker i listens on 127.0.0.(2+i) (all of 127/8 is loopback on Linux), every worker on the
 same HTTP port and the same KV-event ports: the gateway's ``--kv-events-port`` subscribes to
 each worker on its own host, so one flag covers them all, as in a cluster where each pod has
-its own IP. The gateway hashes prompts as the engines do (``--tokenizer`` from the prepared
-model folder, ``--vllm-hash-seed`` = the workers' ``PYTHONHASHSEED``, ``--block-size 32``),
-so its directory runs in ``exact`` mode from the workers' first event batch.
+its own IP. The gateway hashes prompts as the engines do (``--tokenizer`` the prepared model
+folder, ``--chat-template`` the same Gemma 3 template file the workers get, ``--vllm-hash-seed``
+the workers' ``PYTHONHASHSEED``, ``--block-size 32``), so its directory runs in ``exact`` mode
+from the workers' first event batch, for completions and chat alike.
 """
 
 from __future__ import annotations
@@ -140,7 +141,12 @@ class VllmStack:
                 "--admin-port", str(self.admin_port),
                 "--workers", ",".join(self.worker_addresses), "--policy", self.policy,
                 "--block-size", str(self.spec.block_size),
-                "--tokenizer", str(self.model / "tokenizer.json"),
+                "--tokenizer", str(self.model),
+                *(["--chat-template", str(self.spec.chat_template)]
+                  if self.spec.chat_template else []),
+                "--served-model-name", self.spec.served_name,
+                *(a for name, path in self.spec.lora_modules
+                  for a in ("--lora-module", f"{name}={path}")),
                 "--vllm-hash-seed", self.spec.hash_seed,
                 "--kv-events-port", str(self.events_port),
                 "--cost", f"max_batch={self.spec.max_num_seqs}",

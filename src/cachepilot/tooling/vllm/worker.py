@@ -29,6 +29,10 @@ from pathlib import Path
 from cachepilot.tooling.vllm.model import SERVED_NAME
 
 HASH_SEED = "0"
+# Gemma 3's chat template: the model folder converted from the GGUF has none (vLLM then
+# refuses chat requests), so the workers get it with --chat-template and the gateway renders
+# the same file (docs/vllm.md).
+CHAT_TEMPLATE = Path(__file__).with_name("gemma3_chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,11 @@ class VllmWorkerSpec:
     hash_seed: str = HASH_SEED
     enforce_eager: bool = True
     served_name: str = SERVED_NAME
+    chat_template: Path | None = CHAT_TEMPLATE
+    # LoRA adapters as (name, path): --enable-lora --lora-modules name=path (vLLM on the CPU
+    # serves them: PunicaWrapperCPU). The path string is part of every block hash.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 8
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
 
@@ -67,7 +76,16 @@ class VllmWorkerSpec:
                 "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
                 "--enable-prompt-tokens-details", "--disable-hybrid-kv-cache-manager",
                 *(["--enforce-eager"] if self.enforce_eager else []),
+                *(["--chat-template", str(self.chat_template)] if self.chat_template else []),
+                *self.lora_args(),
                 "--kv-events-config", json.dumps(events), *self.extra_args]
+
+    def lora_args(self) -> list[str]:
+        if not self.lora_modules:
+            return []
+        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                "--max-loras", str(len(self.lora_modules)),
+                "--lora-modules", *(f"{name}={path}" for name, path in self.lora_modules)]
 
     def env_vars(self, index: int, state_dir: Path, tmp: Path) -> dict[str, str]:
         """What a worker's environment adds to ours. ``tmp`` holds vLLM's IPC sockets: a
@@ -135,15 +153,35 @@ class VllmWorkers:
             host = hosts[i] if hosts else "127.0.0.1"
             port, events_port = ((base_port, base_events_port) if hosts else
                                  (base_port + i, base_events_port + 2 * i))
-            log_path = self.state_dir / f"worker-{i}.log"
             tmp = Path(tempfile.mkdtemp(prefix=f"cpvllm{i}-"))
-            with log_path.open("wb") as log:
-                proc = subprocess.Popen(self.spec.args(self.venv, self.model, port, events_port,
-                                                       host),
-                                        env=self.spec.env(i, self.state_dir.absolute(), tmp),
-                                        stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-            self.workers.append(VllmWorker(i, port, events_port, proc, log_path, tmp, host))
+            self.workers.append(VllmWorker(i, port, events_port, self._spawn(i, host, port,
+                                                                             events_port, tmp),
+                                           self.state_dir / f"worker-{i}.log", tmp, host))
+
+    def _spawn(self, i: int, host: str, port: int, events_port: int,
+               tmp: Path) -> subprocess.Popen[bytes]:
+        with (self.state_dir / f"worker-{i}.log").open("ab") as log:
+            return subprocess.Popen(self.spec.args(self.venv, self.model, port, events_port,
+                                                   host),
+                                    env=self.spec.env(i, self.state_dir.absolute(), tmp),
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL worker ``index``'s whole process group (API server and engine core): a
+        crash, with no chance to publish or clean up anything."""
+        w = self.workers[index]
+        if w.proc.poll() is None:
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        w.proc.wait()
+
+    def respawn(self, index: int) -> None:
+        """Start worker ``index`` again at the same address and ports (a new process with
+        an empty cache); :meth:`wait_ready` waits for it."""
+        w = self.workers[index]
+        if w.proc.poll() is None:
+            raise RuntimeError(f"vLLM worker {index} is still running")
+        w.proc = self._spawn(index, w.host, w.port, w.events_port, w.tmp)
 
     def wait_ready(self, timeout_s: float = 300.0) -> float:
         """Seconds until every worker answers /health; raises with its log's tail if one
