@@ -62,6 +62,9 @@ def test_gateway_directory_is_sized_by_the_engine_not_a_guess(
     assert stack.stall_after_s() == pytest.approx(5 * (1024 * 20 + 8 * 30) / 1000)
     assert args[args.index("--engine") + 1] == "llamacpp"
     assert args[args.index("--workers") + 1] == "127.0.0.1:3,127.0.0.1:4"
+    # The prompt cache the workers run with is not in /props: the gateway is told.
+    assert args[args.index("--llama-cache-ram") + 1] == "8192"
+    assert stack.spec is not None and stack.spec.cache_ram_mib == 8192  # llama-server's default
     stack.capacity_blocks = 40
     args = stack.gateway_args()
     assert args[args.index("--capacity-blocks") + 1] == "40"

@@ -56,11 +56,45 @@ def test_engine_counters_give_hit_rate_and_token_imbalance(
     text = (Path(__file__).parent / "data" / "llamacpp_metrics.txt").read_text()
     monkeypatch.setattr(study, "http_get", lambda url, timeout: (200, text.encode()))
     c = study.engine_counters("127.0.0.1:1")
-    assert c == {"processed": 566, "cached": 530}
-    s = study._engine_summary([{"processed": 0, "cached": 0}] * 2,
-                              [{"processed": 300, "cached": 0}, {"processed": 50, "cached": 50}])
+    assert c == {"asked": 566 + 530, "cached": 530}  # llama.cpp counts processed apart
+    s = study._engine_summary([{"asked": 0, "cached": 0}] * 2,
+                              [{"asked": 300, "cached": 0}, {"asked": 100, "cached": 50}])
     assert s["engine_prompt_tokens"] == [300, 100]
     assert s["imbalance"] == 1.5 and s["engine_token_hit_rate"] == 0.125
+
+
+def test_vllm_counters_are_its_prefix_cache_queries_and_hits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ("# TYPE vllm:prefix_cache_queries counter\n"
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1472.0\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1440.0\n')
+    monkeypatch.setattr(study, "http_get", lambda url, timeout: (200, text.encode()))
+    assert study.engine_counters("127.0.0.1:1", "vllm") == {"asked": 1472, "cached": 1440}
+
+
+def test_requests_go_as_chat_or_text_completions() -> None:
+    from cachepilot.lab import real_traffic as wl
+
+    req = wl.requests(n=1)[0]
+    chat = wl.body(req, "chat")
+    text = wl.body(req, "completions")
+    assert chat["messages"][0]["role"] == "system" and "prompt" not in chat
+    assert text["prompt"] == "\n".join(m["content"] for m in chat["messages"])
+    assert text["stream"] and text["stream_options"] == {"include_usage": True}
+    assert wl.APIS == {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def test_seeds_are_a_count_a_range_or_a_list() -> None:
+    import click
+
+    from cachepilot.cli.experiments import seed_list
+
+    assert seed_list("3") == (11, 12, 13)
+    assert seed_list("201-205") == (201, 202, 203, 204, 205)
+    assert seed_list("7,9") == (7, 9)
+    with pytest.raises(click.BadParameter):
+        seed_list("x")
 
 
 def _phase(workload: str, seed: int, router: str, p50: float, p90: float, hit: float

@@ -6,13 +6,12 @@ import json
 import logging
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost_args
-from cachepilot.tooling.llamacpp.routers import RouterSpec
+from cachepilot.tooling.llamacpp.routers import RouterSpec, start_peer
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
     PROMPT_STATE_MIB,
@@ -20,7 +19,7 @@ from cachepilot.tooling.llamacpp.worker import (
     model_path,
     threads_per_worker,
 )
-from cachepilot.tooling.procs import LoopbackAddresses, Processes, http_get
+from cachepilot.tooling.procs import LoopbackAddresses, Processes, fetch_decision, http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig, free_port
 
 log = logging.getLogger("cachepilot.llamacpp")
@@ -153,27 +152,13 @@ class LlamaStack(LoopbackAddresses):
         return pools[0]["directory"] if pools else {}
 
     def _start_peer(self, peer: RouterSpec, timeout_s: float) -> None:
-        """The peer router as its own process; ready once its health check has found the
-        workers (``/readiness`` in sglang-router, ``/health`` in vllm-router)."""
-        self.peer_port = free_port()
-        urls = [f"http://{a}" for a in self.worker_addresses]
-        self.processes.spawn(peer.name, peer.args(self.peer_port, free_port(), urls))
-        ready = "readiness" if peer.kind == "sglang" else "health"
-        self.processes.wait_ready([f"{self.url}/{ready}"], timeout_s, poll_s=0.2)
+        self.peer_port = start_peer(self.processes, peer, self.worker_addresses, timeout_s)
 
     def decision(self, decision_id: str, timeout_s: float = 10.0,
                  with_outcome: bool = False) -> dict[str, Any] | None:
         """The gateway's record of one decision (its prediction and, once the response has
         ended, the outcome it observed); None if it never appears."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
-            rec = json.loads(body)["record"] if code == 200 else None
-            if rec is not None and (not with_outcome or rec.get("outcome")):
-                return rec
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.2)  # the decision log commits in batches
+        return fetch_decision(self.admin_url, decision_id, timeout_s, with_outcome)
 
     def stop(self) -> None:
         self.processes.stop()  # Envoy's too

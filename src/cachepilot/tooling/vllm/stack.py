@@ -8,6 +8,11 @@ its own IP. The gateway hashes prompts as the engines do (``--tokenizer`` the pr
 folder, ``--chat-template`` the same Gemma 3 template file the workers get, ``--vllm-hash-seed``
 the workers' ``PYTHONHASHSEED``, ``--block-size 32``), so its directory runs in ``exact`` mode
 from the workers' first event batch, for completions and chat alike.
+
+The router in front can be swapped while the workers stay up (:meth:`VllmStack.start_router`,
+:meth:`VllmStack.stop_router`; a vLLM worker takes about a minute to start here): the
+gateway behind Envoy, or a peer router (sglang-router, vllm-router), and
+:meth:`VllmStack.reset_caches` empties the workers' prefix caches between phases.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachepilot.tooling.procs import Processes, http_get
+from cachepilot.tooling.llamacpp.routers import RouterSpec, start_peer
+from cachepilot.tooling.procs import Processes, fetch_decision, http_get
 from cachepilot.tooling.stack import (
     LocalStack,
     StackConfig,
@@ -77,6 +83,13 @@ class VllmStack:
     admin_port: int = 0
     envoy: LocalStack | None = None
     tmp_dirs: list[Path] = field(default_factory=list)
+    # The router in front, swappable while the workers stay up (a vLLM worker takes about
+    # a minute to start here): the gateway behind Envoy, or a peer router.
+    peer: RouterSpec | None = None
+    cost: str | None = None  # the gateway's --cost beyond max_batch (e.g. calibrated)
+    calibration: dict[str, Any] | None = None  # what ``cost`` was measured from
+    router_processes: Processes = field(default_factory=lambda: Processes(Path()))
+    peer_port: int = 0
 
     @property
     def worker_addresses(self) -> list[str]:
@@ -88,10 +101,22 @@ class VllmStack:
 
     @property
     def url(self) -> str:
+        if self.peer is not None:
+            return f"http://127.0.0.1:{self.peer_port}"
         assert self.envoy is not None
         return self.envoy.url
 
     def start(self) -> VllmStack:
+        """The workers, then the router (the gateway behind Envoy, or ``peer``)."""
+        self.start_workers()
+        try:
+            self.start_router(self.policy, self.peer)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_workers(self) -> VllmStack:
         from cachepilot.tooling.vllm.model import prepare, prepared
 
         why = missing(self.venv)
@@ -119,22 +144,58 @@ class VllmStack:
                     logs / "vllm-state", tmp))
             self.processes.wait_ready([f"http://{a}/health" for a in self.worker_addresses],
                                       self.ready_timeout_s, poll_s=1.0)
-            self.gateway_port, self.admin_port = free_port(), free_port()
-            self.processes.spawn("gateway", self.gateway_args())
-            self.processes.wait_ready([f"{self.admin_url}/readyz"], 60.0,
-                                      gateway_admin_url=self.admin_url)
-            self.envoy = LocalStack(StackConfig(
-                workers=0, start_gateway=False, port=self.port, log_dir=str(logs),
-                first_byte_timeout_s=self.first_byte_timeout_s), processes=self.processes,
-                gateway_port=self.gateway_port, admin_port=self.admin_port)
-            self.envoy.start(60.0)
-            self.wait_exact(60.0)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def gateway_args(self) -> list[str]:
+    def start_router(self, policy: str | None = None, peer: RouterSpec | None = None,
+                     log_dir: str | None = None) -> None:
+        """The gateway (``policy``) behind Envoy, or the ``peer`` router, in front of the
+        running workers; its processes log to ``log_dir`` (default: the stack's)."""
+        logs = Path(log_dir or self.log_dir or ".").absolute()
+        logs.mkdir(parents=True, exist_ok=True)
+        self.router_processes = Processes(logs)
+        self.policy, self.peer = policy or self.policy, peer
+        if peer is not None:
+            self.peer_port = start_peer(self.router_processes, peer, self.worker_addresses,
+                                        60.0)
+            return
+        self.gateway_port, self.admin_port = free_port(), free_port()
+        self.router_processes.spawn("gateway", self.gateway_args(logs / "decisions"))
+        self.router_processes.wait_ready([f"{self.admin_url}/readyz"], 60.0,
+                                         gateway_admin_url=self.admin_url)
+        self.envoy = LocalStack(StackConfig(
+            workers=0, start_gateway=False, port=self.port, log_dir=str(logs),
+            first_byte_timeout_s=self.first_byte_timeout_s),
+            processes=self.router_processes, gateway_port=self.gateway_port,
+            admin_port=self.admin_port)
+        self.envoy.start(60.0)
+        self.wait_exact(60.0)
+
+    def stop_router(self) -> None:
+        self.router_processes.stop()  # the gateway and Envoy, or the peer
+        self.envoy = None
+
+    def reset_caches(self, timeout_s: float = 30.0) -> None:
+        """Empty every worker's prefix cache (``/reset_prefix_cache``: the workers need
+        ``VLLM_SERVER_DEV_MODE=1``); then one request with no full block makes each engine
+        step, so it publishes AllBlocksCleared now, not at the phase's first request."""
+        import httpx
+
+        with httpx.Client(timeout=timeout_s) as client:
+            for a in self.worker_addresses:
+                client.post(f"http://{a}/reset_prefix_cache").raise_for_status()
+                client.post(f"http://{a}/v1/completions", json={
+                    "model": self.spec.served_name, "prompt": "Hi",
+                    "max_tokens": 1}).raise_for_status()
+
+    def decision(self, decision_id: str, timeout_s: float = 10.0,
+                 with_outcome: bool = False) -> dict[str, Any] | None:
+        """The gateway's record of one decision (None if it never appears)."""
+        return fetch_decision(self.admin_url, decision_id, timeout_s, with_outcome)
+
+    def gateway_args(self, decisions: Path | None = None) -> list[str]:
         assert self.model is not None
         return [sys.executable, "-m", "cachepilot", "gateway", "--engine", "vllm",
                 "--listen", f"127.0.0.1:{self.gateway_port}",
@@ -149,8 +210,10 @@ class VllmStack:
                   for a in ("--lora-module", f"{name}={path}")),
                 "--vllm-hash-seed", self.spec.hash_seed,
                 "--kv-events-port", str(self.events_port),
-                "--cost", f"max_batch={self.spec.max_num_seqs}",
-                "--stall-after", f"{self.stall_after_s:.0f}"]
+                "--cost", ",".join([f"max_batch={self.spec.max_num_seqs}",
+                                    *([self.cost] if self.cost else [])]),
+                "--stall-after", f"{self.stall_after_s:.0f}",
+                *(["--decision-log", str(decisions)] if decisions else [])]
 
     def workers_status(self) -> list[dict[str, Any]]:
         code, body = http_get(f"{self.admin_url}/workers", timeout=5.0)
@@ -162,6 +225,7 @@ class VllmStack:
         deadline = time.monotonic() + timeout_s
         while True:
             self.processes.raise_if_exited()
+            self.router_processes.raise_if_exited()
             ws = self.workers_status()
             if len(ws) == self.workers and all(w["directory_mode"] == "exact" for w in ws):
                 return
@@ -172,8 +236,8 @@ class VllmStack:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        self.processes.stop()  # Envoy's too
-        self.envoy = None
+        self.stop_router()
+        self.processes.stop()
         for tmp in self.tmp_dirs:
             shutil.rmtree(tmp, ignore_errors=True)
         self.tmp_dirs.clear()
