@@ -125,8 +125,12 @@ def test_paired_difference_called_only_when_the_interval_excludes_zero() -> None
     assert d["significant"] and d["mean"] == pytest.approx(-0.5)
     assert study_report.verdict(d) == "**better**"
     assert better["bar"]["ttft_p50_s"] == {"best_peer": "sglang_cache_aware", "ours": 0.6,
-                                           "theirs": pytest.approx(1.1), "means": True,
-                                           "not_worse": True}
+                                           "theirs": pytest.approx(1.1), "bar": 0.9,
+                                           "means": True, "not_worse": True}
+    # The median must be at most 0.9x the best peer's: 1.05 against 1.1 is not enough.
+    close = study_report.analyse(_data([1.0, 1.05, 1.1], 0.5))["shared"]
+    assert not close["bar"]["ttft_p50_s"]["means"]
+    assert close["bar"]["token_hit_rate"]["means"]  # 0.5 against 0.5: within 1 point
     # round robin is a router, not a peer: the bar is against sglang only.
     assert better["bar"]["token_hit_rate"]["best_peer"] == "sglang_cache_aware"
     noisy = study_report.analyse(_data([0.5, 1.8, 1.0], 0.5))["shared"]
