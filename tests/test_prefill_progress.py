@@ -61,3 +61,26 @@ def test_an_engine_reports_only_the_steps_it_has_finished() -> None:
     assert e.prefill_done_tokens() == 256
     e.step(step.end)
     assert e.prefill_done_tokens(in_step=False) == 512
+
+
+def test_kv_events_show_how_far_a_chunked_prefill_has_got() -> None:
+    """vLLM publishes a request's blocks as its chunked prefill computes them: the blocks
+    of the routed request's uncached part the events announced are no longer ahead."""
+    r = make_router(workers=("10.0.0.1:8000", "10.0.0.2:8000"))
+    pool = r.pools["default"]
+    for w in pool.workers:
+        pool.directory.set_mode(w, "exact")
+    doc = "a shared handbook chapter about routing " * 60
+    first = r.route(InferenceRequest(model="m", prompt=doc + "question 0?"), 100.0)
+
+    def ahead(now: float, i: str) -> int:
+        fp = r.fingerprint(InferenceRequest(model="m", prompt=doc + i), pool)
+        d = r.decide(pool, "m", fp, now, i)
+        return {c.worker: c.ahead_tokens for c in d.candidates}[first.chosen]
+
+    assert ahead(100.1, "a") == first.uncached_tokens
+    half = first.hashes[: len(first.hashes) // 2]
+    pool.directory.stored(first.chosen, half)
+    assert ahead(100.2, "b") == first.uncached_tokens - len(half) * first.block_size
+    r.first_token(first, 500.0)
+    assert ahead(100.3, "c") == 0

@@ -437,6 +437,15 @@ class PrefixDirectory:
         wb = self._workers.get(worker)
         return wb.epoch if wb is not None else 0
 
+    def stored_blocks(self, worker: str, hashes: Iterable[int]) -> int:
+        """How many of these blocks the engine's events say ``worker`` holds (0 without an
+        event stream): how far a prefill routed there has got."""
+        wb = self._workers.get(worker)
+        if wb is None or wb.mode == APPROXIMATE or not wb.events:
+            return 0
+        events = wb.events
+        return sum(1 for h in hashes if h in events)
+
     def event_blocks(self, worker: str) -> frozenset[int]:
         wb = self._workers.get(worker)
         return frozenset(wb.events) if wb is not None else frozenset()

@@ -25,6 +25,7 @@ from cachepilot.core.policies import Context, pick
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.request import InferenceRequest, RequestError
 from cachepilot.core.vllm_prompt import VllmPrompts, engine_fingerprint
+from cachepilot.core.workers import WorkerSnapshot
 
 
 class Router:
@@ -43,6 +44,9 @@ class Router:
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self._id_prefix = id_prefix if id_prefix is not None else os.urandom(4).hex()
         self._counter = 0
+        # (pool, worker) → decisions sent there whose first token has not come: the
+        # prefill in progress, which an engine's KV events show block by block.
+        self._prefilling: dict[tuple[str, str], list[Decision]] = {}
 
     def add_plugin(self, plugin: Plugin) -> None:
         """Register a lifecycle plugin; it sees every request routed from now on."""
@@ -105,6 +109,7 @@ class Router:
         decision.prefill_pending = True
         worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
+        self._prefilling.setdefault((pool.name, decision.chosen), []).append(decision)
         pool.directory.insert(decision.chosen, fp.hashes, learned_only=fp.fallback is not None)
         pool.note_arrival(now, decision.uncached_tokens)
         if started is not None:
@@ -138,7 +143,7 @@ class Router:
         typical = pool.typical_uncached
         cands: list[Candidate] = []
         for addr, worker in pool.workers.items():
-            w = worker.snapshot()
+            w = self._with_event_progress(pool, addr, worker.snapshot())
             load = effective_load(w, now, cost)
             blocks = matches.get(addr, 0)
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
@@ -235,6 +240,23 @@ class Router:
         for plugin in self.plugins:
             plugin.on_finish(decision, outcome)
 
+    def _with_event_progress(self, pool: Pool, addr: str, w: WorkerSnapshot
+                             ) -> WorkerSnapshot:
+        """A worker whose engine publishes KV events (vLLM: a chunked prefill stores its
+        blocks as it computes them) says how far the prefills sent there have got: the
+        blocks of their uncached part it has announced. Put in the snapshot's metrics
+        (:attr:`WorkerMetrics.prefill_done_tokens`) when it says more than the scrape, so
+        the record and a replay price the same queue."""
+        pending = self._prefilling.get((pool.name, addr))
+        if not pending or w.metrics is None:
+            return w
+        d = pool.directory
+        done = sum(min(p.uncached_tokens, p.block_size * d.stored_blocks(
+            addr, p.hashes[p.winner.matched_blocks:])) for p in pending)
+        if done <= w.metrics.prefill_done_tokens:
+            return w
+        return replace(w, metrics=replace(w.metrics, prefill_done_tokens=done))
+
     def _prefill_done(self, decision: Decision) -> bool:
         """Stop counting the decision's prefill as pending; False if it already was."""
         if not decision.prefill_pending:
@@ -242,6 +264,10 @@ class Router:
         decision.prefill_pending = False
         pool = self.pools.get(decision.pool)
         w = None if pool is None else pool.workers.get(decision.chosen)
+        pending = self._prefilling.get((decision.pool, decision.chosen))
+        if pending:
+            self._prefilling[(decision.pool, decision.chosen)] = [
+                p for p in pending if p is not decision]
         if w is not None:
             w.pending_requests = max(0, w.pending_requests - 1)
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
