@@ -84,12 +84,17 @@ def test_a_similar_request_keeps_its_slot_and_saves_nothing() -> None:
     assert placed.reused == 30 and m.cache == []
 
 
-def test_sliding_window_models_reuse_no_short_match() -> None:
-    m = SlotMemory(SlotConfig(slots=1, slot_blocks=64, min_reuse=32))
-    m.place(A)
-    assert m.reuse([*A, 5]) == 0  # 30 blocks ≤ the window: re-prefilled
-    m.place(doc(5, 40))
-    assert m.reuse([*doc(5, 40), 1]) == 40
+def test_sliding_window_models_reuse_up_to_a_context_checkpoint() -> None:
+    """Gemma 3 on llama-server (measured: docs/real-model.md): a match is reused only up to
+    a checkpoint made while the held prompt was processed, at the start of its batch that
+    begins one -ub before its end; without one, nothing."""
+    m = SlotMemory(SlotConfig(slots=1, slot_blocks=64, min_reuse=32, batch=16,
+                              checkpoint_offsets=(16, 0)))
+    m.place(A)  # 30 blocks, fed as [0, 14) and [14, 30): a checkpoint at 14
+    assert m.reuse([*A, 5]) == 14
+    assert m.reuse(A[:10]) == 0  # shorter than any checkpoint
+    m.place(doc(5, 12))  # one batch from 0: no checkpoint
+    assert m.reuse([*doc(5, 12), 1]) == 0
 
 
 def test_evicting_is_priced_only_when_the_cache_really_drops_a_prompt() -> None:

@@ -100,6 +100,10 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               metavar="TOKENS",
               help="llama.cpp workers: a common prefix this short is not reused (a "
                    "sliding-window model's window, e.g. 512 for Gemma 3; 0: any).")
+@click.option("--llama-ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+              metavar="TOKENS",
+              help="llama.cpp workers: their -ub (llama-server's default), where the context "
+                   "checkpoints a sliding-window model reuses from fall.")
 @click.option("--scrape-interval", type=float, default=0.25, show_default=True)
 @click.option("--scrape-timeout", type=float, default=1.0, show_default=True,
               help="Seconds a worker's /metrics may take (llama.cpp answers between batches).")
@@ -166,7 +170,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str,
                 chat_template: str | None, chat_template_content_format: str,
                 lora_modules: tuple[str, ...], served_names: tuple[str, ...],
-                llama_cache_ram: int, llama_prompt_mib: float, llama_min_reuse: int) -> None:
+                llama_cache_ram: int, llama_prompt_mib: float, llama_min_reuse: int,
+                llama_ubatch: int) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.director import GatewayOptions
@@ -206,7 +211,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         capacity_blocks=capacity_blocks,
         engine=engine, tokenizer=tok, prompts=prompts, cost=parse_cost(cost),
         prompt_cache=prompt_cache_prompts(llama_cache_ram, llama_prompt_mib),
-        min_reuse_tokens=llama_min_reuse)
+        min_reuse_tokens=llama_min_reuse, ubatch_tokens=llama_ubatch)
     kv_endpoints = None if kv_events_port is None else port_endpoints(
         kv_events_port, kv_events_port + 1, kv_events_topic)
     kv_sources = None

@@ -131,18 +131,21 @@ class PrefixDirectory:
             self._evict(wb)
 
     def set_slots(self, worker: str, slots: int, slot_blocks: int, *, entries: int = 0,
-                  max_blocks: int | None = None, min_reuse: int = 0) -> None:
+                  max_blocks: int | None = None, min_reuse: int = 0, batch: int = 0) -> None:
         """Model ``worker`` as a slot engine: ``slots`` prompts of at most ``slot_blocks``
         blocks each (llama-server's ``total_slots`` and per-slot context), and a prompt
         cache of ``entries`` prompts (``max_blocks``: its token limit, in blocks, with no
-        byte limit; neither: ``--cache-ram 0``). ``min_reuse``: see
-        :attr:`SlotConfig.min_reuse`. What it held before is kept as far as it fits: its
+        byte limit; neither: ``--cache-ram 0``). ``min_reuse`` and ``batch`` (blocks): a
+        sliding-window model's window and the engine's ``-ub``, where its context
+        checkpoints fall (:class:`SlotConfig`). What it held before is kept as far as it fits: its
         most recent chains, one per slot, and its cache."""
         wb = self._workers.get(worker)
         if wb is None:
             return
         cfg = SlotConfig(slots=max(1, slots), slot_blocks=max(1, slot_blocks),
-                         entries=max(0, entries), max_blocks=max_blocks, min_reuse=min_reuse)
+                         entries=max(0, entries), max_blocks=max_blocks, min_reuse=min_reuse,
+                         batch=batch if min_reuse else 0,
+                         checkpoint_offsets=(batch, 0) if min_reuse else ())
         if wb.memory is not None and wb.memory.cfg == cfg:
             return
         old = wb.memory

@@ -31,9 +31,11 @@ class PoolSpec:
     # byte limit, so n_ctx tokens; 0: --cache-ram 0, the slots only). Not in /props or
     # /metrics: the deployment says (cachepilot gateway --llama-cache-ram).
     prompt_cache: int = 0
-    # ...and the longest match, in tokens, such a worker does not reuse (a sliding-window
-    # model re-prefills a match inside its window; 0: any match is reused).
+    # ...and the longest match, in tokens, such a worker reuses only up to a context
+    # checkpoint (a sliding-window model's window; 0: any match is reused), and its batch
+    # (-ub), near whose ends of a prompt the checkpoints fall.
     min_reuse_tokens: int = 0
+    ubatch_tokens: int = 512
 
 
 class Pool:
@@ -179,7 +181,8 @@ class Pool:
             self.directory.set_slots(
                 address, metrics.slots, slot_blocks, entries=max(0, cache),
                 max_blocks=metrics.slots * slot_blocks if cache < 0 else None,
-                min_reuse=self.spec.min_reuse_tokens // bs)
+                min_reuse=self.spec.min_reuse_tokens // bs,
+                batch=max(1, self.spec.ubatch_tokens // bs))
 
 
 def engine_restarted(old: WorkerMetrics | None, new: WorkerMetrics) -> bool:

@@ -282,11 +282,12 @@ def static_router(workers: list[str], *, policy: str, weights: Weights, models: 
                   cost: CostModel | None = None, pool_name: str = "default",
                   tokenizer: Tokenizer | None = None,
                   prompts: VllmPrompts | None = None, prompt_cache: int = 0,
-                  min_reuse_tokens: int = 0) -> Router:
+                  min_reuse_tokens: int = 0, ubatch_tokens: int = 512) -> Router:
     """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
     spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
                     block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel(),
-                    prompt_cache=prompt_cache, min_reuse_tokens=min_reuse_tokens)
+                    prompt_cache=prompt_cache, min_reuse_tokens=min_reuse_tokens,
+                    ubatch_tokens=ubatch_tokens)
     pool = Pool(spec)
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})

@@ -28,8 +28,15 @@ byte limit is a number of prompts here (``entries``: ``--cache-ram`` over one pr
 state size; for Gemma 3 270M a saved prompt is ~29 MiB whatever its length, so 8 GiB keeps
 ~280); with ``--cache-ram -1`` (no byte limit) llama-server keeps at most ``n_ctx`` tokens
 (``max_blocks``). Not modelled: the state size varying with length, the engine lowering its
-limit after a failed allocation, and sliding-window models' minimum reusable match (the
-engine reuses a short match only from a context checkpoint: :attr:`SlotConfig.min_reuse`).
+limit after a failed allocation.
+
+**Sliding-window models** (Gemma 3: a 512-token window) cannot roll the window's cache back,
+so a match is reused only up to a *context checkpoint* the engine saved while it processed
+the held prompt (``server-context.cpp``: a prompt is fed in ``-ub`` batches, split so that
+batches start ``n_ubatch`` and 4 tokens before its end; a checkpoint is the state at the
+start of a batch near the end), one token short of it: a new question on a 566-token
+document reuses 309 tokens, the same prompt again 561. :attr:`SlotConfig.min_reuse` (the
+window) and :attr:`SlotConfig.batch` turn this on.
 """
 
 from __future__ import annotations
@@ -63,9 +70,15 @@ class SlotConfig:
     unified: bool = False  # -np not given: idle slots are cleared once saved
     cache_idle_slots: bool = True
     similarity: float = 0.1  # --slot-prompt-similarity
-    # A match of at most this many blocks is not reused (sliding-window models: the engine
-    # re-prefills from token 0 unless a context checkpoint covers it). 0: any match.
+    # A match of at most this many units is reused only up to a context checkpoint
+    # (sliding-window models: the window; 0: any match is reused whole)...
     min_reuse: int = 0
+    # ...made at the start of the engine's batches of this many units near a prompt's end
+    # (its -ub), the prompt split ``checkpoint_offsets`` before its end; a checkpoint at
+    # position c lets ``c - checkpoint_back`` be reused (one token short, in tokens).
+    batch: int = 0
+    checkpoint_offsets: tuple[int, ...] = ()
+    checkpoint_back: int = 0
 
     @property
     def cached(self) -> bool:
@@ -91,6 +104,9 @@ class SlotMemory:
         self.slots: list[Chain] = [()] * max(1, config.slots)
         self.last_used: list[int] = [-1] * len(self.slots)
         self.cache: list[Chain] = []  # front: the oldest saved
+        # The reusable lengths the context checkpoints of each held prompt give (sliding-
+        # window models only).
+        self.checkpoints: dict[Chain, tuple[int, ...]] = {}
         self._clock = 0
 
     def chains(self) -> list[Chain]:
@@ -155,9 +171,7 @@ class SlotMemory:
         if update and self.cfg.cached:
             self._save(cache, held, added, removed)
             held = self._load(cache, held, chain, removed)
-        reused = common_prefix(held, chain)
-        if reused <= self.cfg.min_reuse:
-            reused = 0
+        reused = self._reusable(held, common_prefix(held, chain))
         slots[i] = chain
         if self.cfg.cache_idle_slots and self.cfg.cached:
             for j, other in enumerate(slots):
@@ -169,7 +183,41 @@ class SlotMemory:
                     slots[j] = ()
         if commit:
             self.slots, self.cache = slots, cache
+            if self.cfg.min_reuse:
+                self._checkpoint(chain, held, reused)
         return Placement(i, reused, [c for c in added if c], [c for c in removed if c])
+
+    def _reusable(self, held: Chain, lcp: int) -> int:
+        """What the engine reuses of a common prefix ``lcp`` with the held prompt. With a
+        sliding window the slot's window cache keeps only the last ``min_reuse`` positions
+        of the held prompt (the first it still has: ``len(held) - min_reuse``), and a match
+        is reused whole only if the window it needs is all there: ``lcp - min_reuse`` past
+        that first position, which a match no longer than the held prompt never is. So it
+        is reused up to the newest context checkpoint inside it (measured: tests and
+        docs/real-model.md)."""
+        window = self.cfg.min_reuse
+        if not window or lcp > max(window, len(held)):
+            return lcp
+        return max((r for r in self.checkpoints.get(held, ()) if r <= lcp), default=0)
+
+    def _checkpoint(self, chain: Chain, held: Chain, reused: int) -> None:
+        """The checkpoints ``chain`` has once processed from ``reused`` on: the held
+        prompt's up to there, and those of its own batches near its end."""
+        cfg, n = self.cfg, len(chain)
+        kept = [r for r in self.checkpoints.get(held, ()) if r <= reused]
+        s = reused
+        while cfg.batch and s < n:
+            end = min(s + cfg.batch, n)
+            for off in cfg.checkpoint_offsets:
+                if s < n - off < end:
+                    end = n - off
+            if s > 0 and (end == n or n < end + cfg.batch):
+                kept.append(s - cfg.checkpoint_back)
+            s = end
+        self.checkpoints[chain] = tuple(sorted(set(kept)))
+        if len(self.checkpoints) > 4 * (len(self.slots) + len(self.cache)) + 16:
+            held_now = set(self.slots) | set(self.cache)
+            self.checkpoints = {c: k for c, k in self.checkpoints.items() if c in held_now}
 
     def _save(self, cache: list[Chain], prompt: Chain, added: list[Chain],
               removed: list[Chain]) -> None:

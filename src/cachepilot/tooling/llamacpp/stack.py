@@ -15,6 +15,7 @@ from cachepilot.tooling.llamacpp.routers import RouterSpec, start_peer
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
     PROMPT_STATE_MIB,
+    SLIDING_WINDOW,
     LlamaWorkerSpec,
     model_path,
     threads_per_worker,
@@ -128,6 +129,8 @@ class LlamaStack(LoopbackAddresses):
                 "--cost", cost_args(cal.cost_model(self.max_tokens)),
                 "--llama-cache-ram", str(self.spec.cache_ram_mib),
                 "--llama-prompt-mib", str(PROMPT_STATE_MIB),
+                # Gemma 3's sliding window: shorter matches are reused from checkpoints only.
+                "--llama-min-reuse", str(SLIDING_WINDOW), "--llama-ubatch", str(self.spec.batch),
                 "--scrape-timeout", "5", "--stall-after", f"{self.stall_after_s():.0f}",
                 "--decision-log", str(Path(self.log_dir or ".") / "decisions")]
 

@@ -81,6 +81,9 @@ class LlamaWorkerSpec:
 # prompt cache, mostly its 3 sliding-window checkpoints (7.5 MiB each): nearly flat in length.
 # The gateway divides the cache by it (--llama-prompt-mib): prompts the cache keeps.
 PROMPT_STATE_MIB = 29
+# Gemma 3's sliding-window attention span (llama-server logs n_swa = 512): a shorter match
+# with a held prompt is reused only from a context checkpoint (cachepilot.core.slot_memory).
+SLIDING_WINDOW = 512
 
 
 def threads_per_worker(workers: int, budget: int = CPU_BUDGET) -> int:
