@@ -42,6 +42,10 @@ class EngineConfig:
     # Slot engines: prompts llama-server's host-memory prompt cache keeps (--cache-ram over
     # one prompt's state size); 0: --cache-ram 0, the slots only.
     prompt_cache: int = 0
+    # Slot engines serving a sliding-window model (Gemma 3: 512 tokens): a match is reused
+    # only up to a context checkpoint (cachepilot.core.slot_memory), which falls at the
+    # batch starts (max_batched_tokens: llama-server's -ub) near a prompt's end. 0: none.
+    sliding_window: int = 0
 
 
 @dataclass(slots=True, eq=False)

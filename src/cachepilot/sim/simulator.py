@@ -154,7 +154,9 @@ class Simulator:
         spec = PoolSpec(name="sim", models=(MODEL,), policy=config.policy,
                         weights=config.weights, cost=config.cost, block=BLOCK,
                         capacity_blocks=config.engine.num_blocks,
-                        prompt_cache=config.engine.prompt_cache)
+                        prompt_cache=config.engine.prompt_cache,
+                        min_reuse_tokens=config.engine.sliding_window,
+                        ubatch_tokens=config.engine.max_batched_tokens)
         addrs = [f"10.0.0.{i + 1}:8000" for i in range(config.workers)]
         self.replicas: list[_Replica] = []
         for i in range(config.replicas):

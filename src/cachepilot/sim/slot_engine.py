@@ -18,8 +18,9 @@ runs):
 - No KV gauge (llama.cpp exports none); prefix queries and hits count prompt tokens, as its
   ``prompt_tokens_total`` / ``prompt_tokens_cached_total``.
 
-Not modelled: sliding-window models' minimum reusable match (docs/real-model.md),
-generated tokens in a slot's prefix.
+With ``sliding_window`` (Gemma 3), a match is reused only up to a context checkpoint, as
+measured on llama-server (docs/real-model.md). Not modelled: generated tokens in a slot's
+prefix.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ class SlotEngine(Engine):
             raise ValueError("a slot engine needs slots >= 1")
         super().__init__(config)
         self.slot_blocks = max(1, config.num_blocks // config.slots)
-        self.memory = SlotMemory(SlotConfig(slots=config.slots, slot_blocks=self.slot_blocks,
-                                            entries=config.prompt_cache))
+        bs, batch = config.block_size, config.max_batched_tokens // config.block_size
+        swa = config.sliding_window // bs
+        self.memory = SlotMemory(SlotConfig(
+            slots=config.slots, slot_blocks=self.slot_blocks, entries=config.prompt_cache,
+            min_reuse=swa, batch=batch if swa else 0,
+            checkpoint_offsets=(batch, 0) if swa else ()))
         self.busy = [False] * config.slots
         self._slot_of: dict[int, int] = {}  # id(request) → its slot
 
