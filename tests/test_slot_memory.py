@@ -97,6 +97,21 @@ def test_sliding_window_models_reuse_up_to_a_context_checkpoint() -> None:
     assert m.reuse([*doc(5, 12), 1]) == 0
 
 
+def test_a_long_match_in_the_slot_is_reused_whole_but_not_once_restored() -> None:
+    """Measured on llama-server: a match past the window is reused whole while the held
+    prompt's window cache is all there (processed in the slot), and only up to a
+    checkpoint once the prompt has been through the prompt cache."""
+    cfg = SlotConfig(slots=1, slot_blocks=64, entries=10, min_reuse=32, batch=16,
+                     checkpoint_offsets=(16, 0))
+    long = doc(6, 38)  # fed as [0, 22) and [22, 38): a checkpoint at 22
+    m = SlotMemory(cfg)
+    m.place(long)
+    assert m.reuse([*long[:36], 1, 2]) == 36  # 36 > the 32-block window: whole
+    assert m.reuse([*long[:20], 1]) == 0  # inside the window: no checkpoint below 20
+    m.place(B)  # long goes to the prompt cache
+    assert m.reuse([*long[:36], 1, 2]) == 22  # restored: from the checkpoint only
+
+
 def test_evicting_is_priced_only_when_the_cache_really_drops_a_prompt() -> None:
     d = cached_dir(2, "a", "b")
     for q in range(4):  # A is asked about four times on a

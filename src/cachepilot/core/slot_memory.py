@@ -34,9 +34,12 @@ limit after a failed allocation.
 so a match is reused only up to a *context checkpoint* the engine saved while it processed
 the held prompt (``server-context.cpp``: a prompt is fed in ``-ub`` batches, split so that
 batches start ``n_ubatch`` and 4 tokens before its end; a checkpoint is the state at the
-start of a batch near the end), one token short of it: a new question on a 566-token
-document reuses 309 tokens, the same prompt again 561. :attr:`SlotConfig.min_reuse` (the
-window) and :attr:`SlotConfig.batch` turn this on.
+start of a batch near the end), one token short of it, unless the match is longer than
+the window and the window it needs is still in the slot's window cache (which keeps
+``n_swa + n_ubatch`` positions of a prompt processed there, but only the last ``n_swa`` of
+one restored from the prompt cache). Measured: a new question on a 566-token document
+restored from the cache reuses 309 tokens, on a 610-token one kept in its slot 581.
+:attr:`SlotConfig.min_reuse` (the window) and :attr:`SlotConfig.batch` turn this on.
 """
 
 from __future__ import annotations
@@ -104,9 +107,10 @@ class SlotMemory:
         self.slots: list[Chain] = [()] * max(1, config.slots)
         self.last_used: list[int] = [-1] * len(self.slots)
         self.cache: list[Chain] = []  # front: the oldest saved
-        # The reusable lengths the context checkpoints of each held prompt give (sliding-
-        # window models only).
+        # Sliding-window models only: the reusable lengths the context checkpoints of each
+        # held prompt give, and the first position its window cache still has.
         self.checkpoints: dict[Chain, tuple[int, ...]] = {}
+        self.pos_min: dict[Chain, int] = {}
         self._clock = 0
 
     def chains(self) -> list[Chain]:
@@ -168,10 +172,13 @@ class SlotMemory:
         added: list[Chain] = [chain]
         removed: list[Chain] = [slots[i]]  # the slot's old prompt (re-added if saved)
         held = slots[i]
+        restored = False
         if update and self.cfg.cached:
             self._save(cache, held, added, removed)
+            before = held
             held = self._load(cache, held, chain, removed)
-        reused = self._reusable(held, common_prefix(held, chain))
+            restored = held is not before
+        reused, whole = self._reusable(held, common_prefix(held, chain), restored)
         slots[i] = chain
         if self.cfg.cache_idle_slots and self.cfg.cached:
             for j, other in enumerate(slots):
@@ -184,26 +191,39 @@ class SlotMemory:
         if commit:
             self.slots, self.cache = slots, cache
             if self.cfg.min_reuse:
-                self._checkpoint(chain, held, reused)
+                self._checkpoint(chain, held, reused, whole, restored)
         return Placement(i, reused, [c for c in added if c], [c for c in removed if c])
 
-    def _reusable(self, held: Chain, lcp: int) -> int:
-        """What the engine reuses of a common prefix ``lcp`` with the held prompt. With a
-        sliding window the slot's window cache keeps only the last ``min_reuse`` positions
-        of the held prompt (the first it still has: ``len(held) - min_reuse``), and a match
-        is reused whole only if the window it needs is all there: ``lcp - min_reuse`` past
-        that first position, which a match no longer than the held prompt never is. So it
-        is reused up to the newest context checkpoint inside it (measured: tests and
-        docs/real-model.md)."""
+    def _reusable(self, held: Chain, lcp: int, restored: bool = False) -> tuple[int, bool]:
+        """What the engine reuses of a common prefix ``lcp`` with the held prompt, and
+        whether whole. With a sliding window a match is reused whole only if it is longer
+        than the window and the window it needs is still cached (``lcp - min_reuse`` past
+        the first position the slot's window cache has: 0 for a prompt processed in the
+        slot that fits the window cache, ``len - min_reuse`` for one restored from the
+        prompt cache); else up to the newest context checkpoint inside it."""
         window = self.cfg.min_reuse
-        if not window or lcp > max(window, len(held)):
-            return lcp
-        return max((r for r in self.checkpoints.get(held, ()) if r <= lcp), default=0)
+        if not window:
+            return lcp, True
+        first = self.pos_min.get(held, 0)
+        if restored:
+            first = max(first, len(held) - window)
+        if lcp > window and lcp - window > first:
+            return lcp, True
+        return max((r for r in self.checkpoints.get(held, ()) if r <= lcp), default=0), False
 
-    def _checkpoint(self, chain: Chain, held: Chain, reused: int) -> None:
+    def _checkpoint(self, chain: Chain, held: Chain, reused: int, whole: bool,
+                    restored: bool) -> None:
         """The checkpoints ``chain`` has once processed from ``reused`` on: the held
-        prompt's up to there, and those of its own batches near its end."""
+        prompt's up to there, and those of its own batches near its end; and the first
+        position its window cache keeps (the held prompt's if reused whole, else from a
+        checkpoint or from 0; the window cache holds ``min_reuse + batch`` positions)."""
         cfg, n = self.cfg, len(chain)
+        first = 0
+        if whole and reused:
+            first = self.pos_min.get(held, 0)
+            if restored:
+                first = max(first, len(held) - cfg.min_reuse)
+        self.pos_min[chain] = max(first, n - cfg.min_reuse - cfg.batch)
         kept = [r for r in self.checkpoints.get(held, ()) if r <= reused]
         s = reused
         while cfg.batch and s < n:
@@ -218,6 +238,7 @@ class SlotMemory:
         if len(self.checkpoints) > 4 * (len(self.slots) + len(self.cache)) + 16:
             held_now = set(self.slots) | set(self.cache)
             self.checkpoints = {c: k for c, k in self.checkpoints.items() if c in held_now}
+            self.pos_min = {c: k for c, k in self.pos_min.items() if c in held_now}
 
     def _save(self, cache: list[Chain], prompt: Chain, added: list[Chain],
               removed: list[Chain]) -> None:
