@@ -42,6 +42,7 @@ from typing import Final, Literal
 
 from cachepilot.core.popularity import BlockPopularity
 from cachepilot.core.slot_memory import SlotConfig, SlotMemory
+from cachepilot.core.slot_memory import common_prefix as common_prefix  # re-exported
 
 Mode = Literal["exact", "degraded", "approximate"]
 EXACT: Final = "exact"
