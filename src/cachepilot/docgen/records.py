@@ -38,6 +38,8 @@ TOP: dict[str, str] = {
     "policy": "The policy that decided (`priced` by default).",
     "weights": "The pool's weights on the priced terms.",
     "seq": "The pool's decision counter (round robin's position).",
+    "exact_fallback": "Why the prompt could not be hashed as the engine does (the routing-"
+                      "learned directory was read instead); null when it was.",
     "tokens": "Prompt tokens (counted by the tokenizer, or estimated from bytes).",
     "blocks": "Full blocks of the prompt: the length of `hashes`.",
     "block_size": "Tokens per block.",
