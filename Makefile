@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo up test test-all test-real-model real-peers bench experiment sim-studies e2e clean docs docs-serve
+.PHONY: demo up test test-all test-real-model real-peers real-peers-completions real-peers-vllm real-peers-vllm-chat cache-check bench experiment sim-studies e2e clean docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,9 +43,24 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 	$(BIN)/pip install --quiet -e '.[dev,llamacpp,peers]'
 	touch $@
 
-# CachePilot vs sglang-router and vllm-router on real llama.cpp workers (31–33 min on 2 quiet cores).
+# CachePilot vs sglang-router and vllm-router on real workers, on evaluation seeds 201-205
+# (seeds 11-15 and 31-32 were used while developing). llama.cpp chat: ~31–33 min on 2 quiet
+# cores; completions about the same; vLLM: add ~2 min to start its workers.
+REAL_PEERS_SEEDS ?= 201-205
 real-peers: $(VENV)/.installed-peers
-	$(BIN)/cachepilot experiment real-peers --seeds 5 --out docs/results/real-peers --logs runs/real-peers-logs
+	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api chat --out docs/results/real-peers --logs runs/real-peers-logs
+real-peers-completions: $(VENV)/.installed-peers
+	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api completions --out docs/results/real-peers-completions --logs runs/real-peers-completions-logs
+real-peers-vllm: $(VENV)/.installed-peers vllm-model
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-peers --engine vllm --seeds $(REAL_PEERS_SEEDS) --api completions --out docs/results/real-peers-vllm --logs runs/real-peers-vllm-logs
+real-peers-vllm-chat: $(VENV)/.installed-peers vllm-model
+	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-peers --engine vllm --seeds $(REAL_PEERS_SEEDS) --api chat --out docs/results/real-peers-vllm-chat --logs runs/real-peers-vllm-chat-logs
+
+# The model of what llama-server keeps (slots + host-memory prompt cache) against the
+# engine's own cached-token counts, on random request sequences (~3 min each).
+cache-check: $(VENV)/.installed-llamacpp
+	$(BIN)/python -m cachepilot.tooling.llamacpp.cache_check --seed 100 --requests 40 --samples > docs/results/cache-check.json
+	$(BIN)/python -m cachepilot.tooling.llamacpp.cache_check --seed 101 --requests 40 --cache-ram 120 --samples > docs/results/cache-check-120mib.json
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/decision_latency.py

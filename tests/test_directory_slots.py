@@ -18,7 +18,8 @@ def test_one_slot_holds_only_the_last_prompt() -> None:
     d.insert("w", [*DOC_B, 14])
     assert d.match(DOC_A, ["w"]) == {"w": 0}  # overwritten, however much room LRU would have
     assert d.match([*DOC_B, 14], ["w"]) == {"w": 5}
-    assert d.stats()["w"] == {"blocks": 5, "capacity": 64, "evictions": 5}
+    assert d.stats()["w"] == {"blocks": 5, "capacity": 64, "evictions": 5, "slots": 1,
+                              "cached_prompts": 0, "cache_entries": 0}
 
 
 def test_a_similar_prompt_reuses_its_slot_and_keeps_the_other() -> None:

@@ -62,6 +62,9 @@ def test_gateway_directory_is_sized_by_the_engine_not_a_guess(
     assert stack.stall_after_s() == pytest.approx(5 * (1024 * 20 + 8 * 30) / 1000)
     assert args[args.index("--engine") + 1] == "llamacpp"
     assert args[args.index("--workers") + 1] == "127.0.0.1:3,127.0.0.1:4"
+    # The prompt cache the workers run with is not in /props: the gateway is told.
+    assert args[args.index("--llama-cache-ram") + 1] == "8192"
+    assert stack.spec is not None and stack.spec.cache_ram_mib == 8192  # llama-server's default
     stack.capacity_blocks = 40
     args = stack.gateway_args()
     assert args[args.index("--capacity-blocks") + 1] == "40"
@@ -173,3 +176,30 @@ def test_repeated_prefix_is_predicted_and_measured_as_a_hit() -> None:
         assert second.cached_tokens >= 0.8 * second.prompt_tokens
         # The gateway saw the same count in the streamed usage chunk.
         assert rec2["outcome"]["cached_tokens"] == second.cached_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_ram", [8192, 120])
+def test_the_slot_and_prompt_cache_model_matches_the_engine(cache_ram: int) -> None:
+    """A random sequence of requests for a few documents on one real worker with its
+    host-memory prompt cache (llama-server's default 8 GiB, and 120 MiB: four prompts, so
+    the oldest are dropped): before each request the model of what the worker keeps
+    (cachepilot.core.slot_memory) predicts the engine's own cached-token count."""
+    why = llamacpp.installed()
+    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
+        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
+    if why:
+        pytest.skip(f"llama.cpp not installed: {why}")
+    from cachepilot.tooling.llamacpp.cache_check import CheckConfig, check
+
+    out = check(CheckConfig(seed=7 + cache_ram, requests=16, cache_ram_mib=cache_ram))
+    assert out["engine_hits"] > 0  # the sequence does come back to documents
+    tokens, gateway = out["tokens"], out["gateway"]
+    # On the engine's own tokens the rules are the engine's: every hit and miss (a small
+    # cache's byte limit is counted in prompts of one size, while a short prompt's state is
+    # smaller: one call in 16 may go astray there), and nearly every count within a block.
+    assert tokens["hit_agreement"] >= (1.0 if cache_ram > 1024 else 0.9), out["samples"]
+    assert tokens["tokens_within_16"] >= 0.9, out["samples"]
+    # The gateway's estimate (16-token blocks of the text's estimated tokens) calls hits
+    # and misses as the engine does.
+    assert gateway["hit_agreement"] >= 0.9, out["samples"]

@@ -56,11 +56,45 @@ def test_engine_counters_give_hit_rate_and_token_imbalance(
     text = (Path(__file__).parent / "data" / "llamacpp_metrics.txt").read_text()
     monkeypatch.setattr(study, "http_get", lambda url, timeout: (200, text.encode()))
     c = study.engine_counters("127.0.0.1:1")
-    assert c == {"processed": 566, "cached": 530}
-    s = study._engine_summary([{"processed": 0, "cached": 0}] * 2,
-                              [{"processed": 300, "cached": 0}, {"processed": 50, "cached": 50}])
+    assert c == {"asked": 566 + 530, "cached": 530}  # llama.cpp counts processed apart
+    s = study._engine_summary([{"asked": 0, "cached": 0}] * 2,
+                              [{"asked": 300, "cached": 0}, {"asked": 100, "cached": 50}])
     assert s["engine_prompt_tokens"] == [300, 100]
     assert s["imbalance"] == 1.5 and s["engine_token_hit_rate"] == 0.125
+
+
+def test_vllm_counters_are_its_prefix_cache_queries_and_hits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ("# TYPE vllm:prefix_cache_queries counter\n"
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1472.0\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1440.0\n')
+    monkeypatch.setattr(study, "http_get", lambda url, timeout: (200, text.encode()))
+    assert study.engine_counters("127.0.0.1:1", "vllm") == {"asked": 1472, "cached": 1440}
+
+
+def test_requests_go_as_chat_or_text_completions() -> None:
+    from cachepilot.lab import real_traffic as wl
+
+    req = wl.requests(n=1)[0]
+    chat = wl.body(req, "chat")
+    text = wl.body(req, "completions")
+    assert chat["messages"][0]["role"] == "system" and "prompt" not in chat
+    assert text["prompt"] == "\n".join(m["content"] for m in chat["messages"])
+    assert text["stream"] and text["stream_options"] == {"include_usage": True}
+    assert wl.APIS == {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def test_seeds_are_a_count_a_range_or_a_list() -> None:
+    import click
+
+    from cachepilot.cli.experiments import seed_list
+
+    assert seed_list("3") == (11, 12, 13)
+    assert seed_list("201-205") == (201, 202, 203, 204, 205)
+    assert seed_list("7,9") == (7, 9)
+    with pytest.raises(click.BadParameter):
+        seed_list("x")
 
 
 def _phase(workload: str, seed: int, router: str, p50: float, p90: float, hit: float
@@ -91,8 +125,12 @@ def test_paired_difference_called_only_when_the_interval_excludes_zero() -> None
     assert d["significant"] and d["mean"] == pytest.approx(-0.5)
     assert study_report.verdict(d) == "**better**"
     assert better["bar"]["ttft_p50_s"] == {"best_peer": "sglang_cache_aware", "ours": 0.6,
-                                           "theirs": pytest.approx(1.1), "means": True,
-                                           "not_worse": True}
+                                           "theirs": pytest.approx(1.1), "bar": 0.9,
+                                           "means": True, "not_worse": True}
+    # The median must be at most 0.9x the best peer's: 1.05 against 1.1 is not enough.
+    close = study_report.analyse(_data([1.0, 1.05, 1.1], 0.5))["shared"]
+    assert not close["bar"]["ttft_p50_s"]["means"]
+    assert close["bar"]["token_hit_rate"]["means"]  # 0.5 against 0.5: within 1 point
     # round robin is a router, not a peer: the bar is against sglang only.
     assert better["bar"]["token_hit_rate"]["best_peer"] == "sglang_cache_aware"
     noisy = study_report.analyse(_data([0.5, 1.8, 1.0], 0.5))["shared"]

@@ -135,7 +135,9 @@ def test_replay_restores_the_eviction_price_and_decides_alike() -> None:
         def outcome(self, decision_id, outcome) -> None:
             pass
 
-    sim = Simulator(SimConfig(workers=2, engine=LLAMA_ENGINE), sink=Records())
+    # Without a prompt cache (--cache-ram 0): placements overwrite prompts, so some are priced.
+    engine = replace(LLAMA_ENGINE, prompt_cache=0)
+    sim = Simulator(SimConfig(workers=2, engine=engine), sink=Records())
     summary = summarize(sim.run(generate(spec, 3)))
     assert summary["requests"] == len(records) > 20
     priced = [r for r in records if any(c["eviction_ms"] > 0 for c in r["candidates"])]

@@ -204,8 +204,15 @@ def _progress(quiet: bool = False) -> Iterator[Callable[[int, int, str], None]]:
 @click.option("--routers", cls=StudyOption, study_default=f"{_REAL_PEERS}:DEFAULT_ROUTERS",
               convert=_joined, callback=names(_ROUTERS), help_refs={"routers": _ROUTERS},
               help="Comma-separated, of: {routers}.")
-@click.option("--seeds", type=click.IntRange(1), default=3, show_default=True,
-              help="Seeds 11, 12, …: each draws every workload once.")
+@click.option("--seeds", default="3", show_default=True,
+              help="N (seeds 11, 12, …), a range A-B or a list a,b,c: each draws every "
+                   "workload once. Keep the seeds used while developing apart.")
+@click.option("--engine", type=click.Choice(["llamacpp", "vllm"]), default="llamacpp",
+              show_default=True,
+              help="The workers: llama-server, or vLLM (make vllm-venv vllm-model; started "
+                   "once, caches reset between phases).")
+@click.option("--api", type=click.Choice(["chat", "completions"]), default="chat",
+              show_default=True, help="The OpenAI API the requests use.")
 @click.option("--requests", type=click.IntRange(1), cls=StudyOption,
               study_default=f"{_REAL_PEERS}:StudyConfig.requests",
               help="Per phase (one router, one workload, one seed).")
@@ -217,22 +224,31 @@ def _progress(quiet: bool = False) -> Iterator[Callable[[int, int, str], None]]:
 @click.option("--logs", "log_dir", default=None, type=click.Path(file_okay=False),
               help="Every process's log and the gateway's decision logs (default: OUT/logs).")
 @click.pass_context
-def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str], seeds: int,
-                   requests: int, rate: float | None, out_dir: str, log_dir: str | None
-                   ) -> None:
-    """CachePilot against sglang-router and vllm-router (PyPI) on the same llama.cpp workers
-    and requests, paired by (workload, seed); fresh workers for every router's phase."""
-    from cachepilot.tooling.llamacpp import installed
+def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str], seeds: str,
+                   engine: str, api: str, requests: int, rate: float | None, out_dir: str,
+                   log_dir: str | None) -> None:
+    """CachePilot against sglang-router and vllm-router (PyPI) on the same real workers
+    (llama.cpp or vLLM) and requests, paired by (workload, seed); fresh caches for every
+    router's phase."""
     from cachepilot.tooling.llamacpp.routers import peers_installed
 
-    why = installed() or peers_installed(routers)
+    if engine == "vllm":
+        from cachepilot.tooling.vllm.stack import missing
+
+        why = missing()
+    else:
+        from cachepilot.tooling.llamacpp import installed
+
+        why = installed()
+    why = why or peers_installed(routers)
     if why:
         raise click.ClickException(why)
     from cachepilot.lab.real_peers import StudyConfig, run_study
     from cachepilot.lab.real_peers_report import write_outputs
 
-    cfg = StudyConfig(workloads=tuple(workloads), seeds=tuple(range(11, 11 + seeds)),
-                      routers=tuple(routers), requests=requests, rate=rate)
+    cfg = StudyConfig(workloads=tuple(workloads), seeds=seed_list(seeds),
+                      routers=tuple(routers), requests=requests, rate=rate, engine=engine,
+                      api=api)
     out = Path(out_dir)
     output = _output(ctx, out_dir, log_dir=None)
     try:
@@ -247,6 +263,23 @@ def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str],
                        f"{b['theirs']:.3f}: {'holds' if b['means'] else 'misses'} on the "
                        f"means, {'no significant loss' if b['not_worse'] else 'LOSS'}")
     click.echo(f"wrote {out / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
+
+
+def seed_list(text: str, first: int = 11) -> tuple[int, ...]:
+    """``N`` (N seeds from ``first``), ``A-B`` (inclusive) or ``a,b,c``."""
+    try:
+        if "-" in text:
+            a, b = (int(x) for x in text.split("-", 1))
+            out = tuple(range(a, b + 1))
+        elif "," in text:
+            out = tuple(int(x) for x in text.split(",") if x.strip())
+        else:
+            out = tuple(range(first, first + int(text)))
+    except ValueError:
+        out = ()
+    if not out:
+        raise click.BadParameter(f"{text!r}: N, A-B or a,b,c", param_hint="--seeds")
+    return out
 
 
 @contextmanager

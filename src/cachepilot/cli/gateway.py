@@ -42,6 +42,14 @@ def host_port(text: str, option: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def prompt_cache_prompts(cache_ram_mib: int, prompt_mib: float) -> int:
+    """llama-server's --cache-ram as prompts kept (PoolSpec.prompt_cache): its byte limit
+    over one prompt's saved state; -1 (no byte limit) stays -1, 0 (off) stays 0."""
+    if cache_ram_mib <= 0:
+        return -1 if cache_ram_mib < 0 else 0
+    return max(1, int(cache_ram_mib // prompt_mib))
+
+
 def routing_options(f):  # type: ignore[no-untyped-def]
     """Options shared by every command that builds a router."""
     opts = [
@@ -82,6 +90,21 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @click.option("--model", "models", multiple=True, help="Models this pool serves (default: any).")
 @click.option("--engine", default="vllm", show_default=True,
               type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
+@click.option("--llama-cache-ram", type=int, default=8192, show_default=True, metavar="MIB",
+              help="llama.cpp workers: their --cache-ram (host-memory prompt cache; "
+                   "llama-server's default; 0: off, -1: no byte limit). Not in /props.")
+@click.option("--llama-prompt-mib", type=click.FloatRange(min=0.001), default=29.0,
+              show_default=True, metavar="MIB",
+              help="llama.cpp workers: one saved prompt's state in that cache (Gemma 3 "
+                   "270M: ~29 MiB, nearly flat in length).")
+@click.option("--llama-min-reuse", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="TOKENS",
+              help="llama.cpp workers: a common prefix this short is not reused (a "
+                   "sliding-window model's window, e.g. 512 for Gemma 3; 0: any).")
+@click.option("--llama-ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+              metavar="TOKENS",
+              help="llama.cpp workers: their -ub (llama-server's default), where the context "
+                   "checkpoints a sliding-window model reuses from fall.")
 @click.option("--scrape-interval", type=float, default=0.25, show_default=True)
 @click.option("--scrape-timeout", type=float, default=1.0, show_default=True,
               help="Seconds a worker's /metrics may take (llama.cpp answers between batches).")
@@ -153,7 +176,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str,
                 chat_template: str | None, chat_template_content_format: str,
                 lora_modules: tuple[str, ...], served_names: tuple[str, ...],
-                processes: int) -> None:
+                processes: int, llama_cache_ram: int, llama_prompt_mib: float,
+                llama_min_reuse: int, llama_ubatch: int) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.director import GatewayOptions
@@ -204,7 +228,9 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         static_router(addrs, policy=policy, weights=parse_weights(weights), models=models,
                       block=BlockConfig(block_size, chars_per_token, vllm_seed=vllm_hash_seed),
                       capacity_blocks=capacity_blocks, engine=engine, tokenizer=tok,
-                      prompts=prompts, cost=parse_cost(cost), id_prefix=ids)
+                      prompts=prompts, cost=parse_cost(cost), id_prefix=ids,
+                      prompt_cache=prompt_cache_prompts(llama_cache_ram, llama_prompt_mib),
+                      min_reuse_tokens=llama_min_reuse, ubatch_tokens=llama_ubatch)
     kv_endpoints = None if kv_events_port is None else port_endpoints(
         kv_events_port, kv_events_port + 1, kv_events_topic)
     kv_sources = None

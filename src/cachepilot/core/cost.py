@@ -10,7 +10,8 @@ and its first token there (:func:`ahead_of`)::
                 + KV pressure
 
 "Prefill queued ahead" is what this router sent there that has not produced a first token
-yet, plus a typical request's prefill for each waiting request someone else sent (another
+yet, less what the engine reports it has already prefilled of it (:func:`prefill_done`),
+plus a typical request's prefill for each waiting request someone else sent (another
 client, another gateway replica); waiting requests are the scraped queue plus those sent
 since the scrape that the batch cannot have taken.
 Defaults describe a 7–8B model in bf16 on one datacenter GPU (A100/H100 class) under vLLM:
@@ -162,7 +163,8 @@ def ahead_of(load: Load, worker: WorkerSnapshot, typical_uncached: float,
     finish: the third count, priced apart (``ms_per_batch_wait``)."""
     m = worker.metrics
     foreign = 0 if m is None else max(0, m.waiting - m.router_pending)
-    ahead = worker.pending_prefill_tokens + round(foreign * typical_uncached)
+    ahead = (worker.pending_prefill_tokens - prefill_done(worker)
+             + round(foreign * typical_uncached))
     # Only a configured batch size says the batch is full: the size learned from scrapes
     # (batch_cap_seen) is often lower, since engines with chunked prefill queue requests for
     # the token budget long before every batch slot is taken.
@@ -171,6 +173,16 @@ def ahead_of(load: Load, worker: WorkerSnapshot, typical_uncached: float,
     cap = cost.max_batch or (0 if m is None else m.max_batch or m.slots or 0)
     full = bool(cap) and load.running >= cap
     return ahead, load.waiting, load.waiting + 1 if full else 0
+
+
+def prefill_done(worker: WorkerSnapshot) -> int:
+    """The part of the prefill this router sent there that the engine says it has done
+    already (:attr:`WorkerMetrics.prefill_done_tokens`, as of the scrape): a request for a
+    document another request is still prefilling waits only for the rest. Reported, never
+    extrapolated: a batch engine shares its steps with other work, so a drain rate would
+    be a guess."""
+    m = worker.metrics
+    return 0 if m is None else max(0, min(m.prefill_done_tokens, worker.pending_prefill_tokens))
 
 
 def queue_ms(ahead_tokens: int, running: int, queued: int, batch_waits: int,

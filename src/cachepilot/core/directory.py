@@ -2,10 +2,12 @@
 
 Entries are inserted when a request is routed (the worker will compute and cache its blocks)
 and evicted LRU per worker at the worker's capacity in blocks, as a paged engine (vLLM, SGLang)
-would. Slot engines (llama.cpp) keep whole prompts instead, one per slot: a worker put in slot
-mode (:meth:`PrefixDirectory.set_slots`) holds one chain per slot, replaced the way
-llama-server picks a slot; what a placement there would overwrite is priced by how often
-recent prompts reused it (:meth:`PrefixDirectory.eviction_blocks`). A single hash →
+would. Slot engines (llama.cpp) keep whole prompts instead: a worker put in slot mode
+(:meth:`PrefixDirectory.set_slots`) holds one chain per slot and, unless the engine runs
+without one, the prompts its host-memory prompt cache saved, both kept by the engine's own
+rules (:class:`cachepilot.core.slot_memory.SlotMemory`); what a placement there would make
+homeless is priced by how often recent prompts reused it
+(:meth:`PrefixDirectory.eviction_blocks`), and is nothing while the cache has room. A single hash →
 worker-bitmask map makes a longest-prefix match one dict lookup and one AND per matched
 block, whatever the number of workers.
 
@@ -40,6 +42,8 @@ from typing import Final, Literal
 
 from cachepilot.core.chain_lru import ChainLRU
 from cachepilot.core.popularity import BlockPopularity
+from cachepilot.core.slot_memory import SlotConfig, SlotMemory
+from cachepilot.core.slot_memory import common_prefix as common_prefix  # re-exported
 
 Mode = Literal["exact", "degraded", "approximate"]
 EXACT: Final = "exact"
@@ -54,10 +58,9 @@ class _WorkerBlocks:
     capacity: int
     lru: ChainLRU = field(default_factory=ChainLRU)  # the routing-learned set, in LRU order
     evictions: int = 0
-    # Slot mode: each slot's prompt chain, least recently used slot first, and how many
-    # slots' chains hold each block (``lru`` is then unused).
-    slots: list[tuple[int, ...]] | None = None
-    slot_blocks: int = 0
+    # Slot mode: the engine's slots and prompt cache, and how many of the prompts it holds
+    # contain each block (``lru`` is then unused).
+    memory: SlotMemory | None = None
     refs: dict[int, int] = field(default_factory=dict)
     # Exact mode: the blocks the engine's events say it holds, and which set a match reads.
     mode: Mode = APPROXIMATE
@@ -81,7 +84,11 @@ class _WorkerBlocks:
     events_since: float | None = None
 
     def held(self) -> Iterable[int]:
-        return self.refs if self.slots is not None else self.lru.held()
+        return self.refs if self.memory is not None else self.lru.held()
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.memory is None else len(self.memory.slots)
 
 
 class PrefixDirectory:
@@ -124,36 +131,59 @@ class PrefixDirectory:
             self._clear(h, wb.bit)
         self._drop_events(wb)
         self._free_bits.append(wb.bit.bit_length() - 1)
-        if wb.slots is not None:
-            self._set_slots_total(self._slots_total - len(wb.slots))
+        if wb.memory is not None:
+            self._set_slots_total(self._slots_total - _prompts_held(wb.memory.cfg))
 
     def set_capacity(self, worker: str, capacity: int) -> None:
         wb = self._workers[worker]
         wb.capacity = max(1, capacity)
-        if wb.slots is None:
+        if wb.memory is None:
             self._evict(wb)
 
-    def set_slots(self, worker: str, slots: int, slot_blocks: int) -> None:
+    def set_slots(self, worker: str, slots: int, slot_blocks: int, *, entries: int = 0,
+                  max_blocks: int | None = None, min_reuse: int = 0, batch: int = 0) -> None:
         """Model ``worker`` as a slot engine: ``slots`` prompts of at most ``slot_blocks``
-        blocks each (llama-server's ``total_slots`` and per-slot context). What it held
-        before is kept as far as it fits: its most recent chains, one per slot."""
+        blocks each (llama-server's ``total_slots`` and per-slot context), and a prompt
+        cache of ``entries`` prompts (``max_blocks``: its token limit, in blocks, with no
+        byte limit; neither: ``--cache-ram 0``). ``min_reuse`` and ``batch`` (blocks): a
+        sliding-window model's window and the engine's ``-ub``, where its context
+        checkpoints fall (:class:`SlotConfig`). What it held before is kept as far as it fits: its
+        most recent chains, one per slot, and its cache."""
         wb = self._workers.get(worker)
-        if wb is None or (wb.slots is not None and len(wb.slots) == slots
-                          and wb.slot_blocks == slot_blocks):
+        if wb is None:
             return
-        slots, slot_blocks = max(1, slots), max(1, slot_blocks)
-        self._set_slots_total(self._slots_total - len(wb.slots or ()) + slots)
-        kept = list(wb.slots or [])[-slots:]
-        if wb.slots is None and wb.lru:  # from LRU mode: the most recent blocks, one chain
-            kept = [tuple(wb.lru.most_recent(slot_blocks))]
+        cfg = SlotConfig(slots=max(1, slots), slot_blocks=max(1, slot_blocks),
+                         entries=max(0, entries), max_blocks=max_blocks, min_reuse=min_reuse,
+                         batch=batch if min_reuse else 0,
+                         checkpoint_offsets=(batch, 0) if min_reuse else ())
+        if wb.memory is not None and wb.memory.cfg == cfg:
+            return
+        old = wb.memory
+        self._set_slots_total(self._slots_total + _prompts_held(cfg)
+                              - (0 if old is None else _prompts_held(old.cfg)))
+        if old is not None:
+            order = sorted(range(len(old.slots)), key=lambda i: old.last_used[i])
+            kept = [old.slots[i] for i in order if old.slots[i]][-cfg.slots:]
+            cached = list(old.cache)
+        else:  # from LRU mode: the most recent blocks, one chain
+            kept = [tuple(wb.lru.most_recent(cfg.slot_blocks))] if wb.lru else []
+            cached = []
         for h in wb.held():
             self._clear(h, wb.bit)
         wb.lru.clear()
         wb.refs.clear()
         wb.last_chain = None
-        wb.slots, wb.slot_blocks, wb.capacity = [], slot_blocks, slots * slot_blocks
-        for chain in [()] * (slots - len(kept)) + kept:
-            self._fill_slot(wb, tuple(chain[:slot_blocks]))
+        wb.capacity = (cfg.slots + cfg.entries) * cfg.slot_blocks
+        memory = wb.memory = SlotMemory(cfg)
+        for i, chain in enumerate(kept):
+            memory.slots[i] = tuple(chain[:cfg.slot_blocks])
+            memory.release(i)
+        if cfg.cached:
+            memory.cache = [tuple(c[:cfg.slot_blocks]) for c in cached if c]
+            if cfg.entries:
+                memory.cache = memory.cache[-cfg.entries:]
+        for chain in memory.chains():
+            self._hold(wb, chain)
 
     def _set_slots_total(self, n: int) -> None:
         # A block's reuse is judged over about as many placements as the pool has slots (a
@@ -182,7 +212,7 @@ class PrefixDirectory:
             return
         if wb.mode != APPROXIMATE and not learned_only:
             self._add_pending(wb, hashes)
-        if wb.slots is not None:
+        if wb.memory is not None:
             self._insert_slot(wb, hashes)
             return
         lru, masks, bit = wb.lru, self._masks, wb.bit
@@ -209,63 +239,19 @@ class PrefixDirectory:
                 del masks[h]
         wb.evictions += excess
 
-    # The similarity a slot's prompt needs to be reused (llama-server's
-    # --slot-prompt-similarity default): below it, the least recently used slot is taken.
-    SLOT_SIMILARITY = 0.1
-
     def _insert_slot(self, wb: _WorkerBlocks, hashes: Sequence[int]) -> None:
-        """The prompt replaces one slot's, as llama-server's ``get_available_slot`` picks
-        it (tools/server/server.cpp): the slot sharing the longest common prefix, as a
-        fraction of the new prompt above ``SLOT_SIMILARITY``, else the least recently used.
-        Which slots are busy is unknown here, so all count as idle."""
-        assert wb.slots is not None
-        chain = tuple(hashes[:wb.slot_blocks])
-        self.popularity.note(chain)
-        old = wb.slots.pop(self._pick_slot(wb, chain))
-        self._fill_slot(wb, chain)  # first, so blocks both share are never dropped
-        for h in old:
-            n = wb.refs[h] - 1
-            if n:
-                wb.refs[h] = n
-            else:
-                del wb.refs[h]
-                self._clear(h, wb.bit)
-                wb.evictions += 1
+        """The prompt is launched as llama-server would (:class:`SlotMemory`). Which slots
+        are busy is unknown here, so all count as idle, and it ends most recently used."""
+        assert wb.memory is not None
+        self.popularity.note(hashes[:wb.memory.cfg.slot_blocks])
+        placed = wb.memory.place(hashes)
+        wb.memory.release(placed.slot)
+        for chain in placed.added:  # first, so blocks both share are never dropped
+            self._hold(wb, chain)
+        for chain in placed.removed:
+            self._unhold(wb, chain)
 
-    def _pick_slot(self, wb: _WorkerBlocks, chain: tuple[int, ...]) -> int:
-        assert wb.slots is not None
-        best, best_sim = 0, 0.0  # index 0: the least recently used slot
-        for i, held in enumerate(wb.slots):
-            sim = common_prefix(held, chain) / len(chain) if chain else 0.0
-            if sim > best_sim and sim > self.SLOT_SIMILARITY:
-                best, best_sim = i, sim
-        return best
-
-    def eviction_blocks(self, worker: str, hashes: Sequence[int]) -> float:
-        """What placing this prompt on slot engine ``worker`` would make homeless: the
-        blocks of the slot it overwrites that no other slot or worker holds, each weighted by
-        the chance another prompt soon needs it (:class:`BlockPopularity`). 0 for a paged
-        engine, whose LRU spreads evictions over many prompts' cold tails."""
-        if worker in self._restored_evictions:
-            return self._restored_evictions[worker]
-        wb = self._workers.get(worker)
-        if wb is None or wb.slots is None:
-            return 0.0
-        chain = tuple(hashes[:wb.slot_blocks])
-        old = wb.slots[self._pick_slot(wb, chain)]
-        others, masks, pop = ~wb.bit, self._masks, self.popularity
-        horizon = float(self._slots_total)
-        return sum(pop.reuse_probability(h, horizon) for h in old[common_prefix(old, chain):]
-                   if wb.refs.get(h, 0) <= 1 and not masks.get(h, 0) & others)
-
-    def restore_eviction(self, worker: str, blocks: float) -> None:
-        """Replay: the recorded :meth:`eviction_blocks` of ``worker`` for the next decision."""
-        self._restored_evictions[worker] = blocks
-
-    def _fill_slot(self, wb: _WorkerBlocks, chain: tuple[int, ...]) -> None:
-        """Append ``chain`` as the most recently used slot."""
-        assert wb.slots is not None
-        wb.slots.append(chain)
+    def _hold(self, wb: _WorkerBlocks, chain: Sequence[int]) -> None:
         masks, bit, refs = self._masks, wb.bit, wb.refs
         for h in chain:
             if h in refs:
@@ -274,14 +260,55 @@ class PrefixDirectory:
                 refs[h] = 1
                 masks[h] = masks.get(h, 0) | bit
 
+    def _unhold(self, wb: _WorkerBlocks, chain: Sequence[int]) -> None:
+        refs = wb.refs
+        for h in chain:
+            n = refs[h] - 1
+            if n:
+                refs[h] = n
+            else:
+                del refs[h]
+                self._clear(h, wb.bit)
+                wb.evictions += 1
+
+    def eviction_blocks(self, worker: str, hashes: Sequence[int]) -> float:
+        """What placing this prompt on slot engine ``worker`` would make homeless: the
+        blocks that no prompt the worker still holds afterwards (slots and prompt cache)
+        and no other worker has, each weighted by the chance another prompt soon needs it
+        (:class:`BlockPopularity`). 0 for a paged engine, whose LRU spreads evictions over
+        many prompts' cold tails, and for a prompt cache with room (nothing is lost)."""
+        if worker in self._restored_evictions:
+            return self._restored_evictions[worker]
+        wb = self._workers.get(worker)
+        if wb is None or wb.memory is None:
+            return 0.0
+        placed = wb.memory.plan(hashes)
+        delta: dict[int, int] = {}
+        for chain in placed.removed:
+            for h in chain:
+                delta[h] = delta.get(h, 0) - 1
+        for chain in placed.added:
+            for h in chain:
+                if h in delta:
+                    delta[h] += 1
+        others, masks, pop, refs = ~wb.bit, self._masks, self.popularity, wb.refs
+        horizon = float(self._slots_total)
+        return sum(pop.reuse_probability(h, horizon) for h, d in delta.items()
+                   if d < 0 and refs.get(h, 0) + d <= 0 and not masks.get(h, 0) & others)
+
+    def restore_eviction(self, worker: str, blocks: float) -> None:
+        """Replay: the recorded :meth:`eviction_blocks` of ``worker`` for the next decision."""
+        self._restored_evictions[worker] = blocks
+
     def _clear(self, h: int, bit: int) -> None:
         _drop_bit(self._masks, h, bit)
 
     def match(self, hashes: Sequence[int], workers: Iterable[str], *,
               chained: bool = False, learned_only: bool = False) -> dict[str, int]:
         """Longest cached prefix, in blocks, for each of ``workers`` (each read through its
-        mode: the event set, the routing-learned set, or both). ``learned_only``: read the
-        routing-learned set whatever the mode (hashes that are not the engine's).
+        mode: the event set, the routing-learned set, or both); for a slot engine, the
+        prefix it would reuse. ``learned_only``: read the routing-learned set whatever the
+        mode (hashes that are not the engine's).
 
         ``chained``: every list this directory was given and ``hashes`` are chained block
         hashes (a block's hash names its whole prefix, as fingerprints do), so a worker
@@ -290,6 +317,15 @@ class PrefixDirectory:
         is found by bisection, a few dozen lookups whatever the prompt's length
         (:func:`_closed_depths`). The others, and every worker without ``chained``, by a
         scan that stops where the last of them stops matching."""
+        result = self._match_blocks(hashes, workers, chained, learned_only)
+        for w in result:  # a slot engine's prompts are all in the index; it restores one
+            memory = self._workers[w].memory
+            if memory is not None and result[w]:
+                result[w] = memory.reuse(hashes)
+        return result
+
+    def _match_blocks(self, hashes: Sequence[int], workers: Iterable[str], chained: bool,
+                      learned_only: bool) -> dict[str, int]:
         wanted = {w: self._workers[w] for w in workers if w in self._workers}
         result = dict.fromkeys(wanted, 0)
         if not hashes:
@@ -382,7 +418,7 @@ class PrefixDirectory:
                 self._clear_event(h, bit)
             elif was_pending:  # routed, never announced, now evicted: not held either way
                 self._clear_event(h, bit)
-            if wb.slots is None and wb.lru.discard(h):
+            if wb.memory is None and wb.lru.discard(h):
                 self._clear(h, bit)
                 wb.last_chain = None
                 wb.closed = False  # its descendants may still be held
@@ -412,9 +448,9 @@ class PrefixDirectory:
             self._clear(h, wb.bit)
         wb.lru.clear()
         wb.closed, wb.last_chain = True, None
-        if wb.slots is not None:
+        if wb.memory is not None:
             wb.refs.clear()
-            wb.slots = [()] * len(wb.slots)
+            wb.memory.clear()
 
     # -- engine restarts ------------------------------------------------------------------------
     def restarted(self, worker: str, process_start: float | None = None) -> None:
@@ -436,9 +472,9 @@ class PrefixDirectory:
                 self._clear(h, wb.bit)
             wb.lru.clear()
             wb.closed, wb.last_chain = True, None
-            if wb.slots is not None:
+            if wb.memory is not None:
                 wb.refs.clear()
-                wb.slots = [()] * len(wb.slots)
+                wb.memory.clear()
             return
         self.cleared(worker)
         wb.epoch += 1
@@ -455,6 +491,15 @@ class PrefixDirectory:
         """How many engine restarts the scrape has found for ``worker``."""
         wb = self._workers.get(worker)
         return wb.epoch if wb is not None else 0
+
+    def stored_blocks(self, worker: str, hashes: Iterable[int]) -> int:
+        """How many of these blocks the engine's events say ``worker`` holds (0 without an
+        event stream): how far a prefill routed there has got."""
+        wb = self._workers.get(worker)
+        if wb is None or wb.mode == APPROXIMATE or not wb.events:
+            return 0
+        events = wb.events
+        return sum(1 for h in hashes if h in events)
 
     def event_blocks(self, worker: str) -> frozenset[int]:
         wb = self._workers.get(worker)
@@ -500,9 +545,14 @@ class PrefixDirectory:
         _drop_bit(self._event_masks, h, bit)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {w: {"blocks": len(wb.refs) if wb.slots is not None else len(wb.lru),
-                    "capacity": wb.capacity, "evictions": wb.evictions}
-                for w, wb in self._workers.items()}
+        out: dict[str, dict[str, int]] = {}
+        for w, wb in self._workers.items():
+            out[w] = {"blocks": len(wb.refs) if wb.memory is not None else len(wb.lru),
+                      "capacity": wb.capacity, "evictions": wb.evictions}
+            if wb.memory is not None:
+                out[w] |= {"slots": len(wb.memory.slots), "cached_prompts": len(wb.memory.cache),
+                           "cache_entries": wb.memory.cfg.entries}
+        return out
 
     def modes(self) -> dict[str, dict[str, int | str]]:
         """Per worker: its mode and how many blocks its events say it holds."""
@@ -514,14 +564,9 @@ class PrefixDirectory:
         return len(self._masks.keys() | self._event_masks.keys())
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two chains."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _prompts_held(cfg: SlotConfig) -> int:
+    """About how many prompts a slot engine keeps: its slots and its cache's entries."""
+    return cfg.slots + cfg.entries
 
 
 def _closed_depths(hashes: Sequence[int], bits: int, masks: dict[int, int]

@@ -26,6 +26,16 @@ class PoolSpec:
     block: BlockConfig = field(default_factory=BlockConfig)
     # Blocks per worker in the directory until the engine reports its own (cache_config_info).
     capacity_blocks: int = 4096
+    # Slot engines (llama.cpp, whose /props say how many slots): the prompts each worker's
+    # host-memory prompt cache keeps (its --cache-ram over one prompt's saved state; -1: no
+    # byte limit, so n_ctx tokens; 0: --cache-ram 0, the slots only). Not in /props or
+    # /metrics: the deployment says (cachepilot gateway --llama-cache-ram).
+    prompt_cache: int = 0
+    # ...and the longest match, in tokens, such a worker reuses only up to a context
+    # checkpoint (a sliding-window model's window; 0: any match is reused), and its batch
+    # (-ub), near whose ends of a prompt the checkpoints fall.
+    min_reuse_tokens: int = 0
+    ubatch_tokens: int = 512
 
 
 class Pool:
@@ -165,9 +175,14 @@ class Pool:
             capacity = metrics.num_blocks * engine_block // self.spec.block.block_size
             self.directory.set_capacity(address, capacity)
         if metrics.slots:
-            slot_tokens = metrics.slot_tokens or self.spec.block.block_size
-            self.directory.set_slots(address, metrics.slots,
-                                     max(1, slot_tokens // self.spec.block.block_size))
+            bs = self.spec.block.block_size
+            slot_blocks = max(1, (metrics.slot_tokens or bs) // bs)
+            cache = self.spec.prompt_cache
+            self.directory.set_slots(
+                address, metrics.slots, slot_blocks, entries=max(0, cache),
+                max_blocks=metrics.slots * slot_blocks if cache < 0 else None,
+                min_reuse=self.spec.min_reuse_tokens // bs,
+                batch=max(1, self.spec.ubatch_tokens // bs))
 
 
 def engine_restarted(old: WorkerMetrics | None, new: WorkerMetrics) -> bool:

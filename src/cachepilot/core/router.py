@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
 
 from xxhash import xxh3_64_intdigest
 
@@ -26,6 +27,7 @@ from cachepilot.core.prefix_cache import Fingerprinter
 from cachepilot.core.request import InferenceRequest, RequestError
 from cachepilot.core.spread import ReplicaSpread
 from cachepilot.core.vllm_prompt import VllmPrompts, engine_fingerprint
+from cachepilot.core.workers import WorkerSnapshot
 
 
 class Router:
@@ -50,6 +52,9 @@ class Router:
             self.add_plugin(plugin)
         self._id_prefix = id_prefix if id_prefix is not None else os.urandom(4).hex()
         self._counter = 0
+        # (pool, worker) → decisions sent there whose first token has not come: the
+        # prefill in progress, which an engine's KV events show block by block.
+        self._prefilling: dict[tuple[str, str], list[Decision]] = {}
 
     def add_plugin(self, plugin: Plugin) -> None:
         """Register a lifecycle plugin; it sees every request routed from now on. A replica
@@ -125,6 +130,7 @@ class Router:
         decision.prefill_pending = True
         worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
+        self._prefilling.setdefault((pool.name, decision.chosen), []).append(decision)
         pool.directory.insert(decision.chosen, fp.hashes, learned_only=fp.fallback is not None)
         pool.note_arrival(now, decision.uncached_tokens)
         if started is not None:
@@ -158,7 +164,7 @@ class Router:
         typical = pool.typical_uncached
         cands: list[Candidate] = []
         for addr, worker in pool.workers.items():
-            w = worker.snapshot()
+            w = self._with_event_progress(pool, addr, worker.snapshot())
             load = effective_load(w, now, cost)
             blocks = matches.get(addr, 0)
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
@@ -264,6 +270,23 @@ class Router:
         for plugin in self.plugins:
             plugin.on_finish(decision, outcome)
 
+    def _with_event_progress(self, pool: Pool, addr: str, w: WorkerSnapshot
+                             ) -> WorkerSnapshot:
+        """A worker whose engine publishes KV events (vLLM: a chunked prefill stores its
+        blocks as it computes them) says how far the prefills sent there have got: the
+        blocks of their uncached part it has announced. Put in the snapshot's metrics
+        (:attr:`WorkerMetrics.prefill_done_tokens`) when it says more than the scrape, so
+        the record and a replay price the same queue."""
+        pending = self._prefilling.get((pool.name, addr))
+        if not pending or w.metrics is None:
+            return w
+        d = pool.directory
+        done = sum(min(p.uncached_tokens, p.block_size * d.stored_blocks(
+            addr, p.hashes[p.winner.matched_blocks:])) for p in pending)
+        if done <= w.metrics.prefill_done_tokens:
+            return w
+        return replace(w, metrics=replace(w.metrics, prefill_done_tokens=done))
+
     def _prefill_done(self, decision: Decision) -> bool:
         """Stop counting the decision's prefill as pending; False if it already was."""
         if not decision.prefill_pending:
@@ -271,11 +294,18 @@ class Router:
         decision.prefill_pending = False
         pool = self.pools.get(decision.pool)
         w = None if pool is None else pool.workers.get(decision.chosen)
+        pending = self._prefilling.get((decision.pool, decision.chosen))
+        if pending:
+            self._prefilling[(decision.pool, decision.chosen)] = [
+                p for p in pending if p is not decision]
         if w is not None:
             w.pending_requests = max(0, w.pending_requests - 1)
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)
             # What it stored is announced by now: a later removal is a real eviction.
             pool.directory.prefilled(decision.chosen, decision.hashes)
+            if w.metrics is not None and w.metrics.prefill_done_tokens:
+                # The progress the last scrape reported was most likely this request's.
+                w.metrics = replace(w.metrics, prefill_done_tokens=0)
         return True
 
 
@@ -283,10 +313,14 @@ def static_router(workers: list[str], *, policy: str, weights: Weights, models: 
                   block: BlockConfig, capacity_blocks: int, engine: str,
                   cost: CostModel | None = None, pool_name: str = "default",
                   tokenizer: Tokenizer | None = None,
-                  prompts: VllmPrompts | None = None, id_prefix: str | None = None) -> Router:
+                  prompts: VllmPrompts | None = None, id_prefix: str | None = None,
+                  prompt_cache: int = 0, min_reuse_tokens: int = 0,
+                  ubatch_tokens: int = 512) -> Router:
     """A one-pool router over a fixed worker list (the local stack, or any non-Kubernetes use)."""
     spec = PoolSpec(name=pool_name, models=models, policy=policy, weights=weights,
-                    block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel())
+                    block=block, capacity_blocks=capacity_blocks, cost=cost or CostModel(),
+                    prompt_cache=prompt_cache, min_reuse_tokens=min_reuse_tokens,
+                    ubatch_tokens=ubatch_tokens)
     pool = Pool(spec)
     for addr in workers:
         pool.upsert_worker(addr, labels={"engine": engine})

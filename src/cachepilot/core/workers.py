@@ -20,6 +20,11 @@ class WorkerMetrics:
     # its context. From the engine's /props; the directory then holds one chain per slot.
     slots: int | None = None
     slot_tokens: int | None = None
+    # Prompt tokens the engine has already prefilled of the requests it is still prefilling
+    # (llama.cpp: /slots, busy slots with no token decoded yet; the simulator: its engines),
+    # when the scrape was taken. Work that is no longer ahead of a newcomer; the router sets
+    # it to 0 at the worker's next first token (the report was about that request).
+    prefill_done_tokens: int = 0
     # The engine's batch size (vLLM's max_num_seqs), when known (the simulator knows its
     # engines'; a live gateway would need it configured or exposed). Once that many
     # sequences run, a newcomer waits for one to finish. None: unknown.

@@ -4,7 +4,9 @@ Every engine serves Prometheus text (parsed by :mod:`cachepilot.datalayer.engine
 llama.cpp also has ``GET /props`` (``total_slots`` and the context per slot), which its
 metrics lack but slot-eviction pricing needs. Props never change while the server runs, so
 they are read once per worker and again after it failed a scrape or restarted (its
-counters went back).
+counters went back). Its ``GET /slots`` says how far each running prompt has got
+(``n_prompt_tokens_processed`` while no token is decoded yet): read every round, so a
+request for a document another request is still prefilling is priced for the rest only.
 """
 
 from __future__ import annotations
@@ -65,6 +67,38 @@ async def fetch_slots(session: aiohttp.ClientSession, url: str, timeout_s: float
         return parse_props(await resp.read())
 
 
+def slots_url(metrics_url: str) -> str:
+    """llama-server's /slots (without prompt text unless it runs with slot debugging),
+    beside its /metrics."""
+    return props_url(metrics_url)[: -len("/props")] + "/slots"
+
+
+def parse_prefill_progress(body: bytes) -> int:
+    """llama-server's ``/slots`` → prompt tokens processed so far by the slots still
+    prefilling (processing, no token decoded yet). A slot whose request has produced a
+    token is past its prefill; an idle one reports its last request."""
+    slots: Any = orjson.loads(body)
+    if not isinstance(slots, list):
+        raise ValueError("/slots is not a JSON array")
+    done = 0
+    for s in slots:
+        if not isinstance(s, dict) or not s.get("is_processing"):
+            continue
+        nxt = s.get("next_token") or [{}]
+        decoded = nxt[0].get("n_decoded", 0) if isinstance(nxt, list) and nxt else 0
+        processed = s.get("n_prompt_tokens_processed", 0)
+        if not decoded and isinstance(processed, int) and processed > 0:
+            done += processed
+    return done
+
+
+async def fetch_prefill_progress(session: aiohttp.ClientSession, url: str,
+                                 timeout_s: float) -> int:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        resp.raise_for_status()
+        return parse_prefill_progress(await resp.read())
+
+
 class Engine:
     """An engine whose metrics say all we read (vLLM, SGLang, the simulated worker)."""
 
@@ -85,11 +119,16 @@ class Engine:
 
 
 class LlamaCpp(Engine):
-    """llama-server: metrics, plus its slots from ``/props``."""
+    """llama-server: metrics, plus its slots from ``/props`` and the prefill in progress
+    from ``/slots``."""
 
-    def __init__(self, scrape: ScrapeFn = scrape_once) -> None:
+    def __init__(self, scrape: ScrapeFn = scrape_once, progress: bool = True) -> None:
         super().__init__("llamacpp", scrape)
         self._slots: dict[str, Slots] = {}  # by worker address, until a failure
+        self.progress = progress
+        # Tests replace it: (session, URL, timeout) → prompt tokens processed so far.
+        self.fetch_progress: Callable[[aiohttp.ClientSession, str, float],
+                                      Awaitable[int]] = fetch_prefill_progress
 
     async def scrape(self, session: aiohttp.ClientSession, w: WorkerState, url: str,
                      timeout_s: float, now: Callable[[], float]) -> WorkerMetrics:
@@ -105,7 +144,14 @@ class LlamaCpp(Engine):
                 log.warning("reading %s failed: %s", props_url(url), exc)
                 return m
         slots, slot_tokens = self._slots[w.address]
-        return replace(m, slots=slots, slot_tokens=slot_tokens)
+        done = 0
+        if self.progress:
+            try:
+                done = await self.fetch_progress(session, slots_url(url), timeout_s)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                # Without it a prefill in progress counts whole, as before /slots was read.
+                log.debug("reading %s failed: %s", slots_url(url), exc)
+        return replace(m, slots=slots, slot_tokens=slot_tokens, prefill_done_tokens=done)
 
     def forget(self, address: str) -> None:
         self._slots.pop(address, None)  # read again once it is back (maybe restarted)

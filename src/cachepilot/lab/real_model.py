@@ -13,11 +13,11 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from cachepilot.lab.output import StudyOutput
-from cachepilot.lab.real_traffic import REQUESTS, SEED, WORKLOAD, bodies, requests
+from cachepilot.lab.real_traffic import APIS, REQUESTS, SEED, WORKLOAD, bodies, requests
 from cachepilot.records.stats import ttft_summary
 from cachepilot.sim.workloads import SimRequest, WorkloadSpec
 from cachepilot.tooling.llamacpp.stack import LlamaStack
-from cachepilot.tooling.llamacpp.worker import LlamaWorkerSpec
+from cachepilot.tooling.llamacpp.worker import MODEL_NAME, LlamaWorkerSpec
 from cachepilot.tooling.loadgen import Result, run
 from cachepilot.tooling.loadgen import summarize as loadgen_summary
 
@@ -25,14 +25,16 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-async def drive(stack: LlamaStack, reqs: list[SimRequest],
-                progress: Callable[[int, int], None] | None = None
-                ) -> tuple[list[Result], float]:
+async def drive(stack: Any, reqs: list[SimRequest],
+                progress: Callable[[int, int], None] | None = None, api: str = "chat",
+                model: str = MODEL_NAME) -> tuple[list[Result], float]:
     """Send the requests through Envoy at their arrival times; join each answer with its
-    decision record (the gateway's prediction)."""
-    labelled = bodies(reqs)
+    decision record (the gateway's prediction). ``stack``: a llama.cpp or vLLM stack
+    (``url`` and ``decision``)."""
+    labelled = bodies(reqs, api, model)
     results, wall = await run(stack.url, [r.arrival for r in reqs],
-                              [b for _, b in labelled], progress, timeout_s=600.0)
+                              [b for _, b in labelled], progress, timeout_s=600.0,
+                              path=APIS[api])
     for (doc, _), r in zip(labelled, results, strict=True):
         r.label = doc
         rec = await asyncio.to_thread(stack.decision, r.decision_id) if r.decision_id else None

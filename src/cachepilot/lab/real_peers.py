@@ -1,15 +1,17 @@
 """``cachepilot experiment real-peers``: CachePilot and the peers' routers (sglang-router,
-vllm-router from PyPI) in front of the same llama.cpp workers, the same requests, several
-seeds and workloads.
+vllm-router from PyPI) in front of the same real workers (llama.cpp or vLLM), the same
+requests (chat or text completions), several seeds and workloads.
 
-For each (workload, seed) cell every router gets a phase of its own on fresh workers (fresh
-caches, the same warm-up): the requests and their arrival times are the cell's, identical for
-every router. The routers' order rotates from cell to cell so that a slow stretch of the
-shared machine does not always fall on the same router; the 1-minute load average before and
-after each phase is recorded. Hit rates are the workers' own counts (``cached_tokens`` over
-``prompt_tokens`` of each answer); imbalance is the busiest worker's share of the prompt
-tokens the workers were asked for (their ``/metrics``), the same measure for every router
-since only CachePilot names the worker in its answer.
+For each (workload, seed) cell every router gets a phase of its own on fresh caches: fresh
+llama.cpp workers (the same warm-up), or the same vLLM workers with their prefix caches
+reset (a vLLM worker takes about a minute to start here); the requests and their arrival
+times are the cell's, identical for every router. The routers' order rotates from cell to
+cell so that a slow stretch of the shared machine does not always fall on the same router;
+the 1-minute load average before and after each phase is recorded. Hit rates are the
+workers' own counts (``cached_tokens`` over ``prompt_tokens`` of each answer); imbalance is
+the busiest worker's share of the prompt tokens the workers were asked for (their
+``/metrics``), the same measure for every router since only CachePilot names the worker in
+its answer.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from cachepilot.tooling.llamacpp.worker import LlamaWorkerSpec
 from cachepilot.tooling.loadgen import Result, run
 from cachepilot.tooling.loadgen import summarize as loadgen_summary
 from cachepilot.tooling.procs import http_get
+from cachepilot.tooling.vllm.calibration import calibrate_vllm, vllm_cost
+from cachepilot.tooling.vllm.stack import VllmStack
+from cachepilot.tooling.vllm.worker import VllmWorkerSpec
 
 # Sized for two single-thread workers on 2 cores (a cold ~550-token prefill ≈ 1.7 s); the
 # specs and why: cachepilot.sim.llamacpp.LLAMA_WORKLOADS (the peers study simulates them).
@@ -42,6 +47,9 @@ WORKLOADS: dict[str, WorkloadSpec] = dict(LLAMA_WORKLOADS)
 # default: on this shared 2-core machine a phase takes ~2-3 min, and the study must stay
 # under an hour.
 DEFAULT_ROUTERS = ("cachepilot", "sglang_cache_aware", "vllm_cache_aware")
+
+
+ENGINES = ("llamacpp", "vllm")
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class StudyConfig:
     rate: float | None = None  # None: each workload's own
     workers: int = 2
     spec: LlamaWorkerSpec | None = None  # None: the stack's default for ``workers``
+    engine: str = "llamacpp"  # or "vllm"
+    api: str = "chat"  # or "completions"
 
 
 class Progress:
@@ -69,61 +79,91 @@ def order(routers: tuple[str, ...], cell: int) -> list[str]:
     return [*routers[k:], *routers[:k]]
 
 
-def engine_counters(address: str) -> dict[str, float]:
-    """A worker's cumulative prompt-token counters from its ``/metrics``: ``processed``
-    (``llamacpp:prompt_tokens_total``) and ``cached``."""
+# Each engine's cumulative prompt-token counters: (tokens asked for, tokens from cache).
+_COUNTERS = {"llamacpp": ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total"),
+             "vllm": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
+
+
+def engine_counters(address: str, engine: str = "llamacpp") -> dict[str, float]:
+    """A worker's cumulative prompt tokens from its ``/metrics``: ``asked`` and ``cached``
+    (llama.cpp counts processed and cached apart: asked is their sum)."""
     _, body = http_get(f"http://{address}/metrics", timeout=10.0)
-    out = {"processed": 0.0, "cached": 0.0}
+    first, second = _COUNTERS[engine]
+    vals = {first: 0.0, second: 0.0}
     for fam in text_string_to_metric_families(body.decode()):
         for s in fam.samples:
-            if s.name == "llamacpp:prompt_tokens_total":
-                out["processed"] = s.value
-            elif s.name == "llamacpp:prompt_tokens_cached_total":
-                out["cached"] = s.value
-    return out
+            name = s.name if s.name.endswith("_total") or s.name in vals else s.name + "_total"
+            if name in vals:
+                vals[name] += s.value
+    asked = vals[first] + (vals[second] if engine == "llamacpp" else 0.0)
+    return {"asked": asked, "cached": vals[second]}
 
 
 def _engine_summary(before: list[dict[str, float]], after: list[dict[str, float]]
                     ) -> dict[str, Any]:
-    asked = [a["processed"] + a["cached"] - b["processed"] - b["cached"]
-             for b, a in zip(before, after, strict=True)]
+    asked = [a["asked"] - b["asked"] for b, a in zip(before, after, strict=True)]
     cached = sum(a["cached"] - b["cached"] for b, a in zip(before, after, strict=True))
     return {"imbalance": round(imbalance(asked), 3),
             "engine_prompt_tokens": [int(x) for x in asked],
             "engine_token_hit_rate": round(cached / sum(asked), 3) if sum(asked) else None}
 
 
+def _send(stack: Any, router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig,
+          progress: Progress) -> tuple[dict[str, Any], list[Result], float]:
+    """The cell's requests through the router in front of ``stack``: CachePilot's answers
+    joined with its decisions (the predictions), a peer's as they come."""
+    if router.is_peer:
+        labelled = wl.bodies(reqs, cfg.api)
+        samples, wall = asyncio.run(run(
+            stack.url, [r.arrival for r in reqs], [b for _, b in labelled],
+            progress.request, timeout_s=600.0, path=wl.APIS[cfg.api]))
+        for (doc, _), r in zip(labelled, samples, strict=True):
+            r.label = doc
+        return loadgen_summary(samples, wall), samples, wall
+    samples, wall = asyncio.run(drive(stack, reqs, progress.request, cfg.api))
+    return cachepilot_summary(samples, wall), samples, wall
+
+
 def run_phase(router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig, log_dir: str,
-              progress: Progress) -> tuple[dict[str, Any], list[Result]]:
-    """One router on fresh workers: start, warm up, send the cell's requests, measure."""
+              progress: Progress, vllm: VllmStack | None = None
+              ) -> tuple[dict[str, Any], list[Result]]:
+    """One router on fresh caches: fresh llama.cpp workers (start, warm up), or ``vllm``'s
+    workers with their caches reset; send the cell's requests, measure."""
     t0 = time.monotonic()
     load_before = os.getloadavg()[0]
-    stack = LlamaStack(workers=cfg.workers, spec=cfg.spec, log_dir=log_dir,
-                       policy=router.policy, peer=router if router.is_peer else None,
-                       max_tokens=int(reqs[0].max_tokens))
-    with stack:
+    extra: dict[str, Any] = {}
+    if vllm is not None:
+        vllm.reset_caches()
+        vllm.start_router(router.policy, router if router.is_peer else None, log_dir)
+        stack: Any = vllm
+        extra = {"calibration": vllm.calibration, "worker_spec": {
+            "block_size": vllm.spec.block_size, "max_num_seqs": vllm.spec.max_num_seqs,
+            "kv_cache_gib": vllm.spec.kv_cache_gib}}
+    else:
+        stack = LlamaStack(workers=cfg.workers, spec=cfg.spec, log_dir=log_dir,
+                           policy=router.policy, peer=router if router.is_peer else None,
+                           max_tokens=int(reqs[0].max_tokens)).start()
+    try:
         started = time.monotonic() - t0
-        before = [engine_counters(a) for a in stack.worker_addresses]
-        if router.is_peer:
-            labelled = wl.bodies(reqs)
-            samples, wall = asyncio.run(run(
-                stack.url, [r.arrival for r in reqs], [b for _, b in labelled],
-                progress.request, timeout_s=600.0))
-            for (doc, _), r in zip(labelled, samples, strict=True):
-                r.label = doc
-            summary = loadgen_summary(samples, wall)
+        before = [engine_counters(a, cfg.engine) for a in stack.worker_addresses]
+        summary, samples, wall = _send(stack, router, reqs, cfg, progress)
+        after = [engine_counters(a, cfg.engine) for a in stack.worker_addresses]
+        if vllm is None:
+            assert stack.spec is not None and stack.calibration is not None
+            extra = {"calibration": asdict(stack.calibration),
+                     "worker_spec": asdict(stack.spec),
+                     "directory": stack.directory}  # the gateway's, sized from /props
+    finally:
+        if vllm is not None:
+            vllm.stop_router()
         else:
-            samples, wall = asyncio.run(drive(stack, reqs, progress.request))
-            summary = cachepilot_summary(samples, wall)
-        after = [engine_counters(a) for a in stack.worker_addresses]
-        assert stack.spec is not None and stack.calibration is not None
-        summary |= _engine_summary(before, after) | {
-            "router": router.name, "kind": router.kind, "policy": router.policy,
-            "start_s": round(started, 1), "wall_s": round(wall, 1),
-            "error_samples": [r.error for r in samples if not r.ok][:5],
-            "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            "calibration": asdict(stack.calibration), "worker_spec": asdict(stack.spec),
-            "directory": stack.directory}  # the gateway's, sized from /props (CachePilot)
+            stack.stop()
+    summary |= _engine_summary(before, after) | {
+        "router": router.name, "kind": router.kind, "policy": router.policy,
+        "engine": cfg.engine, "api": cfg.api,
+        "start_s": round(started, 1), "wall_s": round(wall, 1),
+        "error_samples": [r.error for r in samples if not r.ok][:5],
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], **extra}
     summary.pop("per_worker", None)  # only CachePilot's answers name the worker
     return summary, samples
 
@@ -137,6 +177,40 @@ def run_study(cfg: StudyConfig, log_root: str, progress: Progress | None = None,
     n_phases = len(cells) * len(cfg.routers)
     phases: list[dict[str, Any]] = []
     samples: list[dict[str, Any]] = []
+    vllm = None
+    if cfg.engine == "vllm":  # up once for the study: the phases reset their caches
+        progress.note("starting the vLLM workers (about a minute each)")
+        vllm = start_vllm(cfg, os.path.join(log_root, "vllm-workers"))
+    try:
+        _cells(cfg, cells, n_phases, log_root, progress, phases, samples, vllm)
+    finally:
+        if vllm is not None:
+            vllm.stop()
+    progress.phase(n_phases, n_phases, "done")
+    return {"config": {**asdict(cfg), "spec": asdict(cfg.spec) if cfg.spec else None},
+            "workloads": {w: (WORKLOADS[w].with_(rate=cfg.rate) if cfg.rate
+                              else WORKLOADS[w]).to_dict() for w in cfg.workloads},
+            "phases": phases, "samples": samples, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def start_vllm(cfg: StudyConfig, log_dir: str) -> VllmStack:
+    """The study's vLLM workers (``/reset_prefix_cache`` on: a dev-mode endpoint), with the
+    gateway's cost model measured on them as on llama.cpp workers."""
+    spec = VllmWorkerSpec(extra_env=(("VLLM_SERVER_DEV_MODE", "1"),))
+    stack = VllmStack(workers=cfg.workers, spec=spec, log_dir=log_dir).start_workers()
+    try:
+        cal = calibrate_vllm(stack.worker_addresses[0], spec.served_name)
+        stack.calibration = asdict(cal)
+        stack.cost = vllm_cost(cal)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def _cells(cfg: StudyConfig, cells: list[tuple[str, int]], n_phases: int, log_root: str,
+           progress: Progress, phases: list[dict[str, Any]], samples: list[dict[str, Any]],
+           vllm: VllmStack | None) -> None:
     i = 0
     for c, (wname, seed) in enumerate(cells):
         spec = WORKLOADS[wname]
@@ -146,7 +220,8 @@ def run_study(cfg: StudyConfig, log_root: str, progress: Progress | None = None,
         for name in order(cfg.routers, c):
             progress.phase(i, n_phases, f"{wname} seed {seed}: {name}")
             summary, res = run_phase(ROUTERS[name], reqs, cfg,
-                                     os.path.join(log_root, f"{wname}-{seed}-{name}"), progress)
+                                     os.path.join(log_root, f"{wname}-{seed}-{name}"), progress,
+                                     vllm)
             phases.append({"workload": wname, "seed": seed, "position": i, **summary})
             samples += [{"workload": wname, "seed": seed, "router": name, "request": k,
                          "label": r.label, "ok": r.ok, "ttft_s": r.ttft_s,
@@ -154,11 +229,6 @@ def run_study(cfg: StudyConfig, log_root: str, progress: Progress | None = None,
                          "predicted_hit": r.predicted_hit} for k, r in enumerate(res)]
             progress.note(_line(phases[-1]))
             i += 1
-    progress.phase(n_phases, n_phases, "done")
-    return {"config": {**asdict(cfg), "spec": asdict(cfg.spec) if cfg.spec else None},
-            "workloads": {w: (WORKLOADS[w].with_(rate=cfg.rate) if cfg.rate
-                              else WORKLOADS[w]).to_dict() for w in cfg.workloads},
-            "phases": phases, "samples": samples, "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def _line(p: dict[str, Any]) -> str:

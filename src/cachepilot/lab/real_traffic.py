@@ -11,7 +11,7 @@ from typing import Any
 from cachepilot.sim.llamacpp import LLAMA_WORKLOADS
 from cachepilot.sim.workloads import SimRequest, WorkloadSpec, generate
 from cachepilot.tooling.llamacpp.worker import MODEL_NAME
-from cachepilot.tooling.loadgen import chat_body
+from cachepilot.tooling.loadgen import CHAT, COMPLETIONS, chat_body, completion_body
 
 # Sized for 2 CPU cores (the spec and why: cachepilot.sim.llamacpp.LLAMA_WORKLOADS).
 WORKLOAD = LLAMA_WORKLOADS["shared"]
@@ -34,10 +34,18 @@ def label(req: SimRequest) -> str:
     return {"g": "shared", "u": "unique", "d": "doc"}.get(kind, kind) + f"-{num}"
 
 
-def body(req: SimRequest) -> dict[str, Any]:
-    return chat_body(req, MODEL_NAME, CHARS_PER_TOKEN, ignore_eos=True)
+# The OpenAI API each study can use: its path, and how a request becomes its body.
+APIS = {"chat": CHAT, "completions": COMPLETIONS}
 
 
-def bodies(reqs: list[SimRequest]) -> list[tuple[str, dict[str, Any]]]:
+def body(req: SimRequest, api: str = "chat", model: str = MODEL_NAME) -> dict[str, Any]:
+    """The request for ``api``; generation runs to ``max_tokens`` (``ignore_eos``: both
+    llama-server and vLLM take it), so every router's phase decodes the same tokens."""
+    make = chat_body if api == "chat" else completion_body
+    return make(req, model, CHARS_PER_TOKEN, ignore_eos=True)
+
+
+def bodies(reqs: list[SimRequest], api: str = "chat", model: str = MODEL_NAME
+           ) -> list[tuple[str, dict[str, Any]]]:
     """(document label, request body) for each request, the same for every policy."""
-    return [(label(r), body(r)) for r in reqs]
+    return [(label(r), body(r, api, model)) for r in reqs]

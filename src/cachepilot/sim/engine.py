@@ -39,6 +39,13 @@ class EngineConfig:
     # 0: a paged engine with a shared block cache (vLLM). N > 0: N slots, each keeping one
     # prompt's KV in num_blocks / N blocks (llama.cpp; cachepilot.sim.slot_engine).
     slots: int = 0
+    # Slot engines: prompts llama-server's host-memory prompt cache keeps (--cache-ram over
+    # one prompt's state size); 0: --cache-ram 0, the slots only.
+    prompt_cache: int = 0
+    # Slot engines serving a sliding-window model (Gemma 3: 512 tokens): a match is reused
+    # only up to a context checkpoint (cachepilot.core.slot_memory), which falls at the
+    # batch starts (max_batched_tokens: llama-server's -ub) near a prompt's end. 0: none.
+    sliding_window: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +101,7 @@ class Engine:
         self._done_heap: list[tuple[int, int, EngineRequest]] = []  # (finish step, tiebreak)
         self._step_no = 0
         self._tiebreak = 0
+        self._chunks: list[tuple[EngineRequest, int]] = []  # the last step's prefill
         # KV blocks: empty free blocks, hashed blocks in use (refcount), hashed free (LRU).
         self._free_empty = self.cfg.num_blocks
         self._in_use: dict[int, int] = {}
@@ -121,6 +129,16 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.waiting), self.running, self.kv_usage(), self.prefix_queries,
                            self.prefix_hits, self.evictions, self.completed, self.busy_time)
+
+    def prefill_done_tokens(self, in_step: bool = False) -> int:
+        """Prompt tokens computed so far of the requests still prefilling (cache hits
+        not counted): what llama-server's /slots show, or vLLM's KV events as a chunked
+        prefill stores its blocks. ``in_step``: the last step is still running, so its
+        chunks are not done yet (a step's chunks are counted when it starts)."""
+        done = sum(r.computed - r.cached_tokens for r in self.prefilling)
+        if in_step:
+            done -= sum(take for r, take in self._chunks if r.first_token_at is None)
+        return max(0, done)
 
     def cached_prefix_blocks(self, hashes: tuple[int, ...]) -> int:
         n = 0
@@ -161,6 +179,7 @@ class Engine:
             chunks.append((req, take))
             budget -= take
         prefill_tokens = sum(t for _, t in chunks)
+        self._chunks = chunks
         duration = (cfg.step_ms + cfg.decode_ms_per_seq * n_decode
                     + cfg.prefill_ms_per_token * prefill_tokens) / 1000.0
         result = StepResult(start=now, duration=duration, prefill_tokens=prefill_tokens)

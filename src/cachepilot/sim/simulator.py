@@ -76,6 +76,8 @@ class SimConfig:
     # Replicas share placements and in-flight bookings (cachepilot.core.sync) over a bus
     # with this one-way delay; None: they do not talk.
     sync_delay_s: float | None = None
+    # Scrapes carry the engines' prefill progress (WorkerMetrics.prefill_done_tokens).
+    prefill_progress: bool = True
 
 
 # How requests reach one of several gateway replicas: ``random`` per request (Envoy's
@@ -154,7 +156,10 @@ class Simulator:
             raise ValueError("replicas must be ≥ 1, and a policy instance serves one replica")
         spec = PoolSpec(name="sim", models=(MODEL,), policy=config.policy,
                         weights=config.weights, cost=config.cost, block=BLOCK,
-                        capacity_blocks=config.engine.num_blocks)
+                        capacity_blocks=config.engine.num_blocks,
+                        prompt_cache=config.engine.prompt_cache,
+                        min_reuse_tokens=config.engine.sliding_window,
+                        ubatch_tokens=config.engine.max_batched_tokens)
         addrs = [f"10.0.0.{i + 1}:8000" for i in range(config.workers)]
         self.replicas: list[_Replica] = []
         for i in range(config.replicas):
@@ -188,18 +193,21 @@ class Simulator:
             e = w.engine
             if len(e.waiting) > w.max_waiting:
                 w.max_waiting = len(e.waiting)
+            # Prefill progress: llama-server's /slots say it; for vLLM it is what the KV
+            # events of a chunked prefill show (blocks stored as they are computed).
+            done = e.prefill_done_tokens(w.busy) if self.cfg.prefill_progress else 0
             if ecfg.slots:  # what llama-server says: no KV gauge; slots and context (/props)
                 m = WorkerMetrics(
                     waiting=len(e.waiting), running=e.running, slots=ecfg.slots,
                     slot_tokens=ecfg.num_blocks // ecfg.slots * ecfg.block_size,
                     prefix_queries=float(e.prefix_queries), prefix_hits=float(e.prefix_hits),
-                    scraped_at=now)
+                    prefill_done_tokens=done, scraped_at=now)
             else:
                 m = WorkerMetrics(
                     waiting=len(e.waiting), running=e.running, kv_usage=e.kv_usage(),
                     block_size=ecfg.block_size, num_blocks=ecfg.num_blocks,
                     max_batch=ecfg.max_batch, prefix_queries=float(e.prefix_queries),
-                    prefix_hits=float(e.prefix_hits),
+                    prefix_hits=float(e.prefix_hits), prefill_done_tokens=done,
                     scraped_at=now)
             for rep in self.replicas:
                 rep.pool.update_metrics(addr, m)

@@ -1,38 +1,32 @@
-"""A slot engine, modelled on llama-server: one prompt's KV per slot, no shared block cache.
+"""A slot engine, modelled on llama-server: one prompt's KV per slot, plus the host-memory
+prompt cache, no shared block cache.
 
 Same interface and timing as :class:`~cachepilot.sim.engine.Engine` (one batch per step:
 a token per decoding sequence, the rest of the token budget to prefill chunks, oldest
-first), different memory (llama.cpp's tools/server/server.cpp):
+first), different memory (llama.cpp's tools/server; the rules are
+:class:`cachepilot.core.slot_memory.SlotMemory`, the same model the gateway's directory
+runs):
 
 - ``slots`` slots, each with ``num_blocks // slots`` blocks of context; a request runs in
   one slot, so at most ``slots`` run at once and the rest wait (llama-server defers them).
 - A waiting request takes the idle slot whose prompt shares the longest common prefix with
-  it, if that is more than ``SLOT_SIMILARITY`` of its prompt (``--slot-prompt-similarity``),
-  else the least recently used idle slot (``get_available_slot``). The common prefix is
-  reused, at block granularity here (llama.cpp reuses tokens; the directory sees blocks);
-  the slot then holds the new prompt, and whatever else it held is gone.
+  it, if that is more than 10 % of its prompt (``--slot-prompt-similarity``), else the least
+  recently used idle slot. With a prompt cache (``prompt_cache`` prompts: ``--cache-ram``)
+  the prompt leaving the slot is saved there and the best cached match is restored into it.
+  The common prefix is reused, at block granularity here (llama.cpp reuses tokens; the
+  directory sees blocks).
 - No KV gauge (llama.cpp exports none); prefix queries and hits count prompt tokens, as its
   ``prompt_tokens_total`` / ``prompt_tokens_cached_total``.
 
-Not modelled: sliding-window models' minimum reusable match (docs/real-model.md), the
-host-memory prompt cache (off in our llama tooling), generated tokens in a slot's prefix.
+With ``sliding_window`` (Gemma 3), a match is reused only up to a context checkpoint, as
+measured on llama-server (docs/real-model.md). Not modelled: generated tokens in a slot's
+prefix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from cachepilot.core.directory import PrefixDirectory, common_prefix
+from cachepilot.core.slot_memory import SlotConfig, SlotMemory
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
-
-SLOT_SIMILARITY = PrefixDirectory.SLOT_SIMILARITY  # the directory models the same rule
-
-
-@dataclass(slots=True)
-class _Slot:
-    chain: tuple[int, ...] = ()
-    busy: bool = False
-    last_used: float = -1.0
 
 
 class SlotEngine(Engine):
@@ -41,8 +35,14 @@ class SlotEngine(Engine):
             raise ValueError("a slot engine needs slots >= 1")
         super().__init__(config)
         self.slot_blocks = max(1, config.num_blocks // config.slots)
-        self.slots = [_Slot() for _ in range(config.slots)]
-        self._slot_of: dict[int, _Slot] = {}  # id(request) → its slot
+        bs, batch = config.block_size, config.max_batched_tokens // config.block_size
+        swa = config.sliding_window // bs
+        self.memory = SlotMemory(SlotConfig(
+            slots=config.slots, slot_blocks=self.slot_blocks, entries=config.prompt_cache,
+            min_reuse=swa, batch=batch if swa else 0,
+            checkpoint_offsets=(batch, 0) if swa else ()))
+        self.busy = [False] * config.slots
+        self._slot_of: dict[int, int] = {}  # id(request) → its slot
 
     def submit(self, req: EngineRequest) -> None:
         need = -(-(req.prompt_tokens + req.max_tokens) // self.cfg.block_size)
@@ -51,35 +51,26 @@ class SlotEngine(Engine):
         self.waiting.append(req)
 
     def kv_usage(self) -> float:
-        return sum(s.busy for s in self.slots) / len(self.slots)
+        return sum(self.busy) / len(self.busy)
 
     def cached_prefix_blocks(self, hashes: tuple[int, ...]) -> int:
-        return max((common_prefix(s.chain, hashes) for s in self.slots), default=0)
-
-    def _pick(self, chain: tuple[int, ...]) -> _Slot | None:
-        idle = [s for s in self.slots if not s.busy]
-        if not idle:
-            return None
-        best, best_sim = None, 0.0
-        for s in idle:
-            sim = common_prefix(s.chain, chain) / len(chain) if chain else 0.0
-            if sim > best_sim and sim > SLOT_SIMILARITY:
-                best, best_sim = s, sim
-        return best or min(idle, key=lambda s: s.last_used)
+        """What a request with these blocks would reuse if an idle slot took it now."""
+        idle = [not b for b in self.busy]
+        return self.memory.reuse(hashes, idle) if any(idle) else 0
 
     def _admit(self, req: EngineRequest) -> bool:
-        bs = self.cfg.block_size
-        chain = req.hashes[:self.slot_blocks]
-        slot = self._pick(chain)
-        if slot is None:
+        if all(self.busy):
             return False
-        hit = common_prefix(slot.chain, chain)
+        bs = self.cfg.block_size
+        placed = self.memory.place(req.hashes, [not b for b in self.busy])
+        hit = placed.reused
         if hit * bs >= req.prompt_tokens:  # one token must be computed to produce logits
             hit = max(0, -(-req.prompt_tokens // bs) - 1)
-        if len(slot.chain) > hit:
-            self.evictions += len(slot.chain) - hit
-        slot.chain, slot.busy = chain, True
-        self._slot_of[id(req)] = slot
+        # Blocks the worker no longer holds (other copies in the cache aside).
+        self.evictions += len({h for c in placed.removed for h in c}
+                              - {h for c in placed.added for h in c})
+        self.busy[placed.slot] = True
+        self._slot_of[id(req)] = placed.slot
         req.cached_tokens = req.computed = hit * bs
         self.prefix_queries += req.prompt_tokens
         self.prefix_hits += req.cached_tokens
@@ -90,7 +81,8 @@ class SlotEngine(Engine):
 
     def _release(self, req: EngineRequest, end: float) -> None:
         slot = self._slot_of.pop(id(req))
-        slot.busy, slot.last_used = False, end
+        self.busy[slot] = False
+        self.memory.release(slot)
 
 
 def make_engine(config: EngineConfig) -> Engine:

@@ -50,11 +50,24 @@ def chat_body(req: SimRequest, model: str, chars_per_token: float = 4.0,
             "messages": chat_messages(req, chars_per_token), **extra}
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, object]
-                      ) -> Result:
+def completion_body(req: SimRequest, model: str, chars_per_token: float = 4.0,
+                    **extra: Any) -> dict[str, Any]:
+    """The same request as a streamed text completion: the chat messages' text, shared part
+    first (``/v1/completions``)."""
+    text = "\n".join(m["content"] for m in chat_messages(req, chars_per_token))
+    return {"model": model, "stream": True, "max_tokens": req.max_tokens,
+            "stream_options": {"include_usage": True}, "prompt": text, **extra}
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, object],
+                      path: str = CHAT) -> Result:
     t0 = time.perf_counter()
     try:
-        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        async with session.post(f"{url}{path}", json=body) as resp:
             res = Result(ok=resp.status == 200, status=resp.status,
                          worker=resp.headers.get("x-cachepilot-worker"),
                          decision_id=resp.headers.get("x-cachepilot-decision-id"))
@@ -67,7 +80,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
                     continue
                 chunk = orjson.loads(line[6:])
                 choices = chunk.get("choices") or []
-                if res.ttft_s is None and choices and choices[0].get("delta", {}).get("content"):
+                if res.ttft_s is None and choices and (
+                        choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
                     res.ttft_s = time.perf_counter() - t0
                 usage = chunk.get("usage")
                 if usage:
@@ -80,10 +94,11 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
 
 
 async def run(url: str, arrivals: Sequence[float], bodies: Sequence[dict[str, Any]],
-              progress: Callable[[int, int], None] | None = None, timeout_s: float = 300.0
-              ) -> tuple[list[Result], float]:
-    """Send ``bodies[i]`` at ``arrivals[i]`` seconds after the start, open loop; return the
-    results in the same order and the wall time from the start to the last answer."""
+              progress: Callable[[int, int], None] | None = None, timeout_s: float = 300.0,
+              path: str = CHAT) -> tuple[list[Result], float]:
+    """Send ``bodies[i]`` to ``path`` (chat or text completions) at ``arrivals[i]`` seconds
+    after the start, open loop; return the results in the same order and the wall time from
+    the start to the last answer."""
     n = len(bodies)
     done_count = 0
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -101,7 +116,7 @@ async def run(url: str, arrivals: Sequence[float], bodies: Sequence[dict[str, An
         t0 = arrivals[0] if len(arrivals) else 0.0
         for at, body in zip(arrivals, bodies, strict=True):
             await asyncio.sleep(max(0.0, start + at - t0 - time.perf_counter()))
-            t = asyncio.create_task(one_request(session, url, body))
+            t = asyncio.create_task(one_request(session, url, body, path))
             t.add_done_callback(done)
             tasks.append(t)
         results = list(await asyncio.gather(*tasks))

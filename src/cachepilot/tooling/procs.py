@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def http_get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
@@ -39,6 +40,21 @@ def wait_http_ok(urls: list[str], timeout_s: float = 60.0, hint: str = "") -> No
             if time.time() > deadline:
                 raise TimeoutError(f"not ready: {url}{hint}")
             time.sleep(0.2)
+
+
+def fetch_decision(admin_url: str, decision_id: str, timeout_s: float = 10.0,
+                   with_outcome: bool = False) -> dict[str, Any] | None:
+    """A gateway's record of one decision from its admin API (its prediction and, once the
+    response has ended, the outcome it observed); None if it never appears."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code, body = http_get(f"{admin_url}/decisions/{decision_id}", timeout=2.0)
+        rec = json.loads(body)["record"] if code == 200 else None
+        if rec is not None and (not with_outcome or rec.get("outcome")):
+            return rec
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)  # the decision log commits in batches
 
 
 def gateway_scraped_all(admin_url: str) -> bool:

@@ -7,17 +7,19 @@ What a llama.cpp worker caches, and how the gateway knows
 ---------------------------------------------------------
 llama-server keeps one prompt per *slot* (``-np``): a new request goes to the idle slot whose
 last prompt shares the longest prefix with it (LCP similarity), else to the least recently
-used slot, whose old prompt is then overwritten. A busy slot's prefix is not shared: a second
-request for it in another slot prefills from scratch, so we run one slot per worker and let
-such a request wait (``requests_deferred``) and then hit. With the host-RAM *prompt cache*
-(``--cache-ram`` MiB; llama-server's default is 8 GiB) an overwritten slot's state is saved
-and restored later, least recently used first out; for Gemma 3 270M one ~580-token prompt
-state measured 29 MiB here (mostly sliding-window checkpoints), whatever its length.
+used slot. A busy slot's prefix is not shared: a second request for it in another slot
+prefills from scratch, so we run one slot per worker and let such a request wait
+(``requests_deferred``) and then hit. With the host-RAM *prompt cache* (``--cache-ram`` MiB;
+llama-server's default, 8 GiB, which the workers run with) a prompt leaving its slot is saved
+and restored on a later match; for Gemma 3 270M one prompt's state measured 29 MiB here
+(mostly sliding-window checkpoints), whatever its length. Gemma 3's sliding window makes a
+match reusable only up to a context checkpoint unless the prompt is still in its slot.
 
 The gateway reads each worker's slots and context per slot from the engine (``GET /props``:
-``total_slots``, ``n_ctx``) and its directory holds one prompt chain per slot, replaced the
-way llama-server picks a slot; nothing here guesses a prompt length. Workers run with one
-slot and no prompt cache by default, so that what a worker holds is exactly its slots.
+``total_slots``, ``n_ctx``), the prefill in progress from ``GET /slots``, and is told the
+cache, the window and the batch (``--llama-cache-ram``, ``--llama-min-reuse``,
+``--llama-ubatch``); its directory runs the engine's rules
+(:class:`cachepilot.core.slot_memory.SlotMemory`); nothing here guesses a prompt length.
 
 Other llama.cpp facts this module encodes (all observed on this machine):
 

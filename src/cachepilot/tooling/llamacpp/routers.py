@@ -18,6 +18,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachepilot.tooling.procs import Processes
+from cachepilot.tooling.stack import free_port
+
 
 class PeerRouterMissing(RuntimeError):
     """A peer router's launcher is not installed."""
@@ -62,6 +65,22 @@ ROUTERS: dict[str, RouterSpec] = {s.name: s for s in (
     RouterSpec("vllm_cache_aware", "vllm", "cache_aware"),
     RouterSpec("vllm_power_of_two", "vllm", "power_of_two"),
 )}
+
+
+def start_peer(processes: Processes, peer: RouterSpec, worker_addresses: list[str],
+               timeout_s: float) -> int:
+    """The peer router as its own process in front of these workers; its port, once its
+    health check has found them (``/readiness`` in sglang-router, ``/health`` in
+    vllm-router). The same launch for llama.cpp and vLLM workers: both routers proxy
+    OpenAI completions and chat; vllm-router's ``cache_aware`` tokenizes each request on
+    every worker (vLLM's ``/tokenize``; llama-server's answers in another format, so there
+    it has no prefix affinity: docs/real-model.md)."""
+    port = free_port()
+    urls = [f"http://{a}" for a in worker_addresses]
+    processes.spawn(peer.name, peer.args(port, free_port(), urls))
+    ready = "readiness" if peer.kind == "sglang" else "health"
+    processes.wait_ready([f"http://127.0.0.1:{port}/{ready}"], timeout_s, poll_s=0.2)
+    return port
 
 
 def peers_installed(names: list[str]) -> str | None:

@@ -6,20 +6,21 @@ import json
 import logging
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cachepilot.tooling.llamacpp.calibration import Calibration, calibrate, cost_args
-from cachepilot.tooling.llamacpp.routers import RouterSpec
+from cachepilot.tooling.llamacpp.routers import RouterSpec, start_peer
 from cachepilot.tooling.llamacpp.worker import (
     CPU_BUDGET,
+    PROMPT_STATE_MIB,
+    SLIDING_WINDOW,
     LlamaWorkerSpec,
     model_path,
     threads_per_worker,
 )
-from cachepilot.tooling.procs import LoopbackAddresses, Processes, http_get
+from cachepilot.tooling.procs import LoopbackAddresses, Processes, fetch_decision, http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig, free_port
 
 log = logging.getLogger("cachepilot.llamacpp")
@@ -115,7 +116,7 @@ class LlamaStack(LoopbackAddresses):
         """``cachepilot gateway`` for these workers: the calibrated CPU cost model and byte
         blocks, llama.cpp's scrape timing, a decision log; no directory capacity unless one
         was given (the gateway reads each worker's slots from its /props)."""
-        assert self.calibration is not None
+        assert self.calibration is not None and self.spec is not None
         cal = self.calibration
         capacity = ["--capacity-blocks", str(self.capacity_blocks)] if self.capacity_blocks \
             else []
@@ -126,6 +127,10 @@ class LlamaStack(LoopbackAddresses):
                 "--block-size", str(self.block_size),
                 "--chars-per-token", f"{cal.chars_per_token:.3f}", *capacity,
                 "--cost", cost_args(cal.cost_model(self.max_tokens)),
+                "--llama-cache-ram", str(self.spec.cache_ram_mib),
+                "--llama-prompt-mib", str(PROMPT_STATE_MIB),
+                # Gemma 3's sliding window: shorter matches are reused from checkpoints only.
+                "--llama-min-reuse", str(SLIDING_WINDOW), "--llama-ubatch", str(self.spec.batch),
                 "--scrape-timeout", "5", "--stall-after", f"{self.stall_after_s():.0f}",
                 "--decision-log", str(Path(self.log_dir or ".") / "decisions")]
 
@@ -150,27 +155,13 @@ class LlamaStack(LoopbackAddresses):
         return pools[0]["directory"] if pools else {}
 
     def _start_peer(self, peer: RouterSpec, timeout_s: float) -> None:
-        """The peer router as its own process; ready once its health check has found the
-        workers (``/readiness`` in sglang-router, ``/health`` in vllm-router)."""
-        self.peer_port = free_port()
-        urls = [f"http://{a}" for a in self.worker_addresses]
-        self.processes.spawn(peer.name, peer.args(self.peer_port, free_port(), urls))
-        ready = "readiness" if peer.kind == "sglang" else "health"
-        self.processes.wait_ready([f"{self.url}/{ready}"], timeout_s, poll_s=0.2)
+        self.peer_port = start_peer(self.processes, peer, self.worker_addresses, timeout_s)
 
     def decision(self, decision_id: str, timeout_s: float = 10.0,
                  with_outcome: bool = False) -> dict[str, Any] | None:
         """The gateway's record of one decision (its prediction and, once the response has
         ended, the outcome it observed); None if it never appears."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
-            rec = json.loads(body)["record"] if code == 200 else None
-            if rec is not None and (not with_outcome or rec.get("outcome")):
-                return rec
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.2)  # the decision log commits in batches
+        return fetch_decision(self.admin_url, decision_id, timeout_s, with_outcome)
 
     def stop(self) -> None:
         self.processes.stop()  # Envoy's too

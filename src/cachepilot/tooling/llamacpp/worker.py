@@ -63,10 +63,9 @@ class LlamaWorkerSpec:
     # waits for it (and hits) instead of prefilling it again in a second slot.
     parallel: int = 1
     ctx_per_slot: int = 1024  # tokens; -c is parallel * ctx_per_slot
-    # Host-RAM prompt cache (llama-server's default is 8192 MiB, some 280 prompts here).
-    # Off by default: what it keeps is hard to predict from its size (docs/real-model.md), and
-    # with it off a worker holds exactly its slots' prompts.
-    cache_ram_mib: int = 0
+    # Host-RAM prompt cache: llama-server's default, 8192 MiB (some 280 prompts here). The
+    # gateway is told (--llama-cache-ram) and models it (cachepilot.core.slot_memory).
+    cache_ram_mib: int = 8192
     batch: int = 256  # -b/-ub: tokens per decode call; bounds how long /metrics waits
     extra_args: tuple[str, ...] = ()
 
@@ -80,9 +79,11 @@ class LlamaWorkerSpec:
 
 # Measured here for Gemma 3 270M: a saved 580-680-token prompt state takes 27-29 MiB of the
 # prompt cache, mostly its 3 sliding-window checkpoints (7.5 MiB each): nearly flat in length.
-# (The gateway models slots only: with a prompt cache a worker also restores prompts the
-# directory has dropped, so hits beyond the slots go unpredicted.)
+# The gateway divides the cache by it (--llama-prompt-mib): prompts the cache keeps.
 PROMPT_STATE_MIB = 29
+# Gemma 3's sliding-window attention span (llama-server logs n_swa = 512): a shorter match
+# with a held prompt is reused only from a context checkpoint (cachepilot.core.slot_memory).
+SLIDING_WINDOW = 512
 
 
 def threads_per_worker(workers: int, budget: int = CPU_BUDGET) -> int:

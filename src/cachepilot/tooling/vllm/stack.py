@@ -8,6 +8,11 @@ its own IP. The gateway hashes prompts as the engines do (``--tokenizer`` the pr
 folder, ``--chat-template`` the same Gemma 3 template file the workers get, ``--vllm-hash-seed``
 the workers' ``PYTHONHASHSEED``, ``--block-size 32``), so its directory runs in ``exact`` mode
 from the workers' first event batch, for completions and chat alike.
+
+The router in front can be swapped while the workers stay up (:meth:`VllmStack.start_router`,
+:meth:`VllmStack.stop_router`; a vLLM worker takes about a minute to start here): the
+gateway behind Envoy, or a peer router (sglang-router, vllm-router), and
+:meth:`VllmStack.reset_caches` empties the workers' prefix caches between phases.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachepilot.tooling.procs import Processes, http_get
+from cachepilot.tooling.llamacpp.routers import RouterSpec, start_peer
+from cachepilot.tooling.procs import Processes, fetch_decision, http_get
 from cachepilot.tooling.stack import (
     LocalStack,
     StackConfig,
@@ -69,7 +75,7 @@ class VllmStack:
     first_byte_timeout_s: float = 600.0
     stall_after_s: float = 120.0
     ready_timeout_s: float = 600.0
-    decision_log: str | None = None  # an LMDB folder: the admin API's /decisions/{id}
+    decision_log: str | None = None  # an LMDB folder (default: the router's logs/decisions)
     processes: Processes = field(default_factory=lambda: Processes(Path()))
     hosts: list[str] = field(default_factory=list)
     worker_port: int = 0
@@ -78,6 +84,13 @@ class VllmStack:
     admin_port: int = 0
     envoy: LocalStack | None = None
     tmp_dirs: list[Path] = field(default_factory=list)
+    # The router in front, swappable while the workers stay up (a vLLM worker takes about
+    # a minute to start here): the gateway behind Envoy, or a peer router.
+    peer: RouterSpec | None = None
+    cost: str | None = None  # the gateway's --cost beyond max_batch (e.g. calibrated)
+    calibration: dict[str, Any] | None = None  # what ``cost`` was measured from
+    router_processes: Processes = field(default_factory=lambda: Processes(Path()))
+    peer_port: int = 0
 
     @property
     def worker_addresses(self) -> list[str]:
@@ -89,10 +102,22 @@ class VllmStack:
 
     @property
     def url(self) -> str:
+        if self.peer is not None:
+            return f"http://127.0.0.1:{self.peer_port}"
         assert self.envoy is not None
         return self.envoy.url
 
     def start(self) -> VllmStack:
+        """The workers, then the router (the gateway behind Envoy, or ``peer``)."""
+        self.start_workers()
+        try:
+            self.start_router(self.policy, self.peer)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_workers(self) -> VllmStack:
         from cachepilot.tooling.vllm.model import prepare, prepared
 
         why = missing(self.venv)
@@ -120,22 +145,58 @@ class VllmStack:
                     logs / "vllm-state", tmp))
             self.processes.wait_ready([f"http://{a}/health" for a in self.worker_addresses],
                                       self.ready_timeout_s, poll_s=1.0)
-            self.gateway_port, self.admin_port = free_port(), free_port()
-            self.processes.spawn("gateway", self.gateway_args())
-            self.processes.wait_ready([f"{self.admin_url}/readyz"], 60.0,
-                                      gateway_admin_url=self.admin_url)
-            self.envoy = LocalStack(StackConfig(
-                workers=0, start_gateway=False, port=self.port, log_dir=str(logs),
-                first_byte_timeout_s=self.first_byte_timeout_s), processes=self.processes,
-                gateway_port=self.gateway_port, admin_port=self.admin_port)
-            self.envoy.start(60.0)
-            self.wait_exact(60.0)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def gateway_args(self) -> list[str]:
+    def start_router(self, policy: str | None = None, peer: RouterSpec | None = None,
+                     log_dir: str | None = None) -> None:
+        """The gateway (``policy``) behind Envoy, or the ``peer`` router, in front of the
+        running workers; its processes log to ``log_dir`` (default: the stack's)."""
+        logs = Path(log_dir or self.log_dir or ".").absolute()
+        logs.mkdir(parents=True, exist_ok=True)
+        self.router_processes = Processes(logs)
+        self.policy, self.peer = policy or self.policy, peer
+        if peer is not None:
+            self.peer_port = start_peer(self.router_processes, peer, self.worker_addresses,
+                                        60.0)
+            return
+        self.gateway_port, self.admin_port = free_port(), free_port()
+        self.router_processes.spawn("gateway", self.gateway_args(self._decisions(logs)))
+        self.router_processes.wait_ready([f"{self.admin_url}/readyz"], 60.0,
+                                         gateway_admin_url=self.admin_url)
+        self.envoy = LocalStack(StackConfig(
+            workers=0, start_gateway=False, port=self.port, log_dir=str(logs),
+            first_byte_timeout_s=self.first_byte_timeout_s),
+            processes=self.router_processes, gateway_port=self.gateway_port,
+            admin_port=self.admin_port)
+        self.envoy.start(60.0)
+        self.wait_exact(60.0)
+
+    def stop_router(self) -> None:
+        self.router_processes.stop()  # the gateway and Envoy, or the peer
+        self.envoy = None
+
+    def reset_caches(self, timeout_s: float = 30.0) -> None:
+        """Empty every worker's prefix cache (``/reset_prefix_cache``: the workers need
+        ``VLLM_SERVER_DEV_MODE=1``); then one request with no full block makes each engine
+        step, so it publishes AllBlocksCleared now, not at the phase's first request."""
+        import httpx
+
+        with httpx.Client(timeout=timeout_s) as client:
+            for a in self.worker_addresses:
+                client.post(f"http://{a}/reset_prefix_cache").raise_for_status()
+                client.post(f"http://{a}/v1/completions", json={
+                    "model": self.spec.served_name, "prompt": "Hi",
+                    "max_tokens": 1}).raise_for_status()
+
+    def decision(self, decision_id: str, timeout_s: float = 10.0,
+                 with_outcome: bool = False) -> dict[str, Any] | None:
+        """The gateway's record of one decision (None if it never appears)."""
+        return fetch_decision(self.admin_url, decision_id, timeout_s, with_outcome)
+
+    def gateway_args(self, decisions: Path | None = None) -> list[str]:
         assert self.model is not None
         return [sys.executable, "-m", "cachepilot", "gateway", "--engine", "vllm",
                 "--listen", f"127.0.0.1:{self.gateway_port}",
@@ -150,9 +211,10 @@ class VllmStack:
                   for a in ("--lora-module", f"{name}={path}")),
                 "--vllm-hash-seed", self.spec.hash_seed,
                 "--kv-events-port", str(self.events_port),
-                "--cost", f"max_batch={self.spec.max_num_seqs}",
+                "--cost", ",".join([f"max_batch={self.spec.max_num_seqs}",
+                                    *([self.cost] if self.cost else [])]),
                 "--stall-after", f"{self.stall_after_s:.0f}",
-                *(["--decision-log", self.decision_log] if self.decision_log else [])]
+                *(["--decision-log", str(decisions)] if decisions else [])]
 
     def restart_gateway(self, policy: str | None = None, decision_log: str | None = None,
                         timeout_s: float = 60.0) -> None:
@@ -161,7 +223,7 @@ class VllmStack:
         from each worker's event history (replayed from batch 0), exact before it returns."""
         self.policy = policy or self.policy
         self.decision_log = decision_log or self.decision_log
-        proc = self.processes.procs.pop("gateway", None)
+        proc = self.router_processes.procs.pop("gateway", None)
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -169,22 +231,17 @@ class VllmStack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.processes.spawn("gateway", self.gateway_args())
-        self.processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
-                                  gateway_admin_url=self.admin_url)
+        self.router_processes.spawn("gateway", self.gateway_args(self._decisions()))
+        self.router_processes.wait_ready([f"{self.admin_url}/readyz"], timeout_s,
+                                         gateway_admin_url=self.admin_url)
         self.wait_exact(timeout_s)
 
-    def decision(self, decision_id: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
-        """The gateway's record of one decision (needs ``decision_log``); None if it never
-        appears (the log commits in batches)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code, body = http_get(f"{self.admin_url}/decisions/{decision_id}", timeout=2.0)
-            if code == 200:
-                return json.loads(body)["record"]
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.2)
+    def _decisions(self, logs: Path | None = None) -> Path | None:
+        """Where the gateway records its decisions: ``decision_log`` if set, else a folder
+        in the router's logs."""
+        if self.decision_log:
+            return Path(self.decision_log)
+        return None if logs is None else logs / "decisions"
 
     def workers_status(self) -> list[dict[str, Any]]:
         code, body = http_get(f"{self.admin_url}/workers", timeout=5.0)
@@ -196,6 +253,7 @@ class VllmStack:
         deadline = time.monotonic() + timeout_s
         while True:
             self.processes.raise_if_exited()
+            self.router_processes.raise_if_exited()
             ws = self.workers_status()
             if len(ws) == self.workers and all(w["directory_mode"] == "exact" for w in ws):
                 return
@@ -206,8 +264,8 @@ class VllmStack:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        self.processes.stop()  # Envoy's too
-        self.envoy = None
+        self.stop_router()
+        self.processes.stop()
         for tmp in self.tmp_dirs:
             shutil.rmtree(tmp, ignore_errors=True)
         self.tmp_dirs.clear()
