@@ -1,0 +1,365 @@
+"""Flow control's driver-facing object: admit a request (dispatch it now, hold it, or refuse
+it), pump the queues when capacity frees, cancel a request whose client left.
+
+:class:`FlowControl` wraps a :class:`~cachepilot.core.router.Router`: it decides *whether and
+when* a request is routed, the router still decides *where* (the priced pick, with flow
+control's closed workers excluded but valued). Everything runs on the caller's clock and
+thread: the gateway calls :meth:`FlowControl.pump` from one asyncio task whenever a capacity
+event kicks it (:class:`FlowPlugin`: a first token, a finish; the scraper: a scrape; a
+timer: the next deadline), the simulator after each event. The fast path, nothing held in
+the pool and no worker closed, is the router's own route plus one gate check.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from cachepilot.core.decision import Decision, RoutingError
+from cachepilot.core.fingerprint import Fingerprint
+from cachepilot.core.flow import info as fi
+from cachepilot.core.flow.classify import FlowMeta
+from cachepilot.core.flow.config import FlowConfig
+from cachepilot.core.flow.fair import OutputEstimate
+from cachepilot.core.flow.gate import CLOSED, Gate
+from cachepilot.core.flow.info import FlowInfo
+from cachepilot.core.flow.observe import FlowObserver, FlowPlugin
+from cachepilot.core.flow.pick import Picker, locality_pick, make_picker
+from cachepilot.core.flow.queue import CANCELLED, DISPATCHED, QUEUED, REFUSED, PoolQueue, Ticket
+from cachepilot.core.flow.refusal import FlowError, refusal
+from cachepilot.core.flow.slo import Unmeetable, meet_slo
+from cachepilot.core.pool import Pool
+from cachepilot.core.request import InferenceRequest, RequestError
+from cachepilot.core.router import Router
+
+__all__ = ["FlowControl", "FlowError", "FlowObserver", "FlowPlugin"]
+
+_Hold = tuple[str, str | None, float, float]  # (reason, holder, holder_until, gain_ms)
+
+
+class FlowControl:
+    """Holds, orders and releases one router's requests (one queue per pool)."""
+
+    def __init__(self, router: Router, config: FlowConfig | None = None, *,
+                 gate: Gate | None = None, picker: Picker | None = None,
+                 observers: Sequence[FlowObserver] = ()) -> None:
+        self.router = router
+        self.config = cfg = config or FlowConfig()
+        self.gate = gate or Gate(cfg.hold_depth)
+        self.picker = picker or make_picker(cfg)
+        self.observers: list[FlowObserver] = list(observers)
+        self.queues: dict[str, PoolQueue] = {}
+        self.objectives: dict[str, int] = {}  # InferenceObjective name → priority
+        self.estimates = OutputEstimate(cfg.default_output_tokens)
+        # Charge output at dispatch (an estimate, corrected at completion; a gateway sees no
+        # tokens as they come) or as generated (the simulator's VTC model, charge_output).
+        self.output_at_dispatch = True
+        self.kick: Callable[[], None] = lambda: None  # the driver's "pump soon"
+        self.plugin = FlowPlugin(self)
+        self._seq = 0
+
+    # -- admission ----------------------------------------------------------------------------
+    def admit(self, req: InferenceRequest, meta: FlowMeta, now: float, *,
+              only: Collection[str] | None = None, started: float | None = None,
+              on_done: Callable[[Ticket], None] | None = None) -> Decision | Ticket:
+        """Route ``req`` now (a Decision), or hold it (a Ticket: ``on_done`` is called when it
+        leaves the queue), or refuse it (raises RequestError, already reported to the
+        router's plugins)."""
+        router = self.router
+        try:
+            pool, fp = router.prepare(req)
+        except RequestError as err:
+            router.reject(err, req, now)
+            raise
+        q = self._queue(pool.name)
+        est = self.estimates.estimate(meta.tenant, req.max_tokens)
+        cost = self._cost(fp.tokens, est)
+        if q:
+            hold: _Hold = (fi.QUEUED_BEHIND, None, 0.0, 0.0)
+        else:
+            now_or_hold = self._try_now(pool, q, req, fp, meta, now, only, started, cost, est)
+            if isinstance(now_or_hold, Decision):
+                return now_or_hold
+            hold = now_or_hold
+        if meta.sheddable and self.config.ttl(meta.priority) <= 0:
+            raise self._report_new(q, req, meta, self._error(q, meta, fi.SHEDDABLE, now), now)
+        reason, holder, until, gain = hold
+        self._seq += 1
+        t = Ticket(self._seq, meta, req, pool.name, fp, cost, est, now,
+                   now + self.config.ttl(meta.priority), reason, only=only, on_done=on_done,
+                   holder=holder, holder_until=until, holder_gain_ms=gain)
+        self._make_room(q, t, now)
+        q.add(t, now)
+        if holder is not None:
+            q.holding.add(t)
+        for o in self.observers:
+            o.on_held(t, now)
+        if reason == fi.QUEUED_BEHIND:
+            self._pump_pool(q, now)
+        if t.state == DISPATCHED:
+            assert t.decision is not None
+            return t.decision
+        if t.state == REFUSED:
+            assert t.error is not None
+            raise t.error
+        return t
+
+    def _try_now(self, pool: Pool, q: PoolQueue, req: InferenceRequest, fp: Fingerprint,
+                 meta: FlowMeta, now: float, only: Collection[str] | None,
+                 started: float | None, cost: float, est: int) -> Decision | _Hold:
+        """Nothing is held in the pool: route at once if an open worker should take it,
+        else say why it waits."""
+        opened, closed = self.gate.split(pool, now)
+        if only is not None:
+            opened = [w for w in opened if w in only]
+            closed = [w for w in closed if w in only]
+        if not opened:
+            if closed or self._any_ready(pool, only):
+                return (fi.POOL_FULL, None, 0.0, 0.0)
+            opened = []  # nothing ready: the router says so (503)
+        excluded = dict.fromkeys(closed, CLOSED) if closed else None
+        try:
+            d = self.router.decide(pool, req.model, fp, now, self.router.next_id(), req,
+                                   only=only, excluded=excluded)
+        except RoutingError as err:
+            if err.status == 429:
+                return (fi.POOL_FULL, None, 0.0, 0.0)
+            self.router.reject(err, req, now)
+            raise
+        if closed and self.config.ttl(meta.priority) > 0:
+            holder, gain = _holder_gain(d)
+            if holder is not None and gain >= self.config.locality_gain_ms:
+                wait_s = min(2.0 * gain, self.config.holder_wait_ms) / 1000.0
+                return (fi.HOLDER_BUSY, holder, now + wait_s, gain)
+        try:
+            d, met = meet_slo(self.router, pool, d, req, fp, meta, now, only, excluded, 0.0)
+        except Unmeetable:
+            err = self._error(q, meta, fi.SLO_UNMEETABLE, now)
+            raise self._report_new(q, req, meta, err, now) from None
+        info = FlowInfo(meta.tenant, meta.priority, objective=meta.objective,
+                        slo_ms=meta.slo_ms, slo_met=met, charged_tokens=cost,
+                        estimated_output=est)
+        return self._book(pool, q, d, req, fp, info, now, started, cost)
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def pump(self, now: float, limit: int = 0) -> int:
+        """Expire what outlived its time to live, then dispatch held requests while workers
+        are open (at most ``limit`` per pool; 0: no limit). Returns how many went."""
+        n = 0
+        for q in [q for q in self.queues.values() if q]:
+            n += self._pump_pool(q, now, limit)
+        return n
+
+    def _pump_pool(self, q: PoolQueue, now: float, limit: int = 0) -> int:
+        pool = self.router.pools.get(q.name)
+        for t in q.expired(now) if pool is not None else list(_all(q)):
+            q.remove(t)
+            why = fi.TTL_EXPIRED if pool is not None and self._any_ready(pool, t.only) \
+                else fi.NO_READY_WORKER
+            self._refuse(q, t, why, now)
+        n = 0
+        while q and pool is not None and (not limit or n < limit):
+            opened, closed = self.gate.split(pool, now)
+            if not opened or not self._dispatch_one(pool, q, opened, closed, now):
+                break
+            n += 1
+        return n
+
+    def _dispatch_one(self, pool: Pool, q: PoolQueue, opened: list[str], closed: list[str],
+                      now: float) -> bool:
+        """Dispatch the next request fairness and locality choose, of the highest band that
+        has one an open worker can take; False if none can go now."""
+        closed_set = frozenset(closed)
+
+        def usable(t: Ticket) -> bool:
+            return not (t.holder is not None and t.holder in closed_set and now < t.holder_until)
+
+        for priority in q.order:
+            band = q.bands[priority]
+            cands = self.picker.candidates(q, band, now, usable)
+            if not cands:
+                continue
+            order, gain = locality_pick(pool, cands, opened, self.config.locality_gain_ms)
+            for i, t in enumerate(order):
+                if self._try_dispatch(pool, q, t, opened, closed, now,
+                                      gain if i == 0 else 0.0):
+                    return True
+        return False
+
+    def _try_dispatch(self, pool: Pool, q: PoolQueue, t: Ticket, opened: list[str],
+                      closed: list[str], now: float, gain: float) -> bool:
+        """Route ``t`` if it should go now (False: it waits, for an open worker of its
+        subset or for its busy prefix holder). ``gain``: the prefill ms a locality pick of
+        ``t`` saves over the fair pick (0: it is the fair pick)."""
+        started = time.perf_counter()
+        if t.only is not None and not any(w in t.only for w in opened):
+            return False
+        excluded = dict.fromkeys(closed, CLOSED) if closed else None
+        try:
+            d = self.router.decide(pool, t.request.model, t.fp, now, self.router.next_id(),
+                                   t.request, only=t.only, excluded=excluded)
+        except RoutingError:
+            return False  # nothing open it may use (its subset): it waits
+        if closed and t.holder is None and self.config.ttl(t.meta.priority) > 0:
+            holder, hgain = _holder_gain(d)
+            if holder is not None and hgain >= self.config.locality_gain_ms:
+                wait_s = min(2.0 * hgain, self.config.holder_wait_ms) / 1000.0
+                t.holder, t.holder_until, t.holder_gain_ms = holder, now + wait_s, hgain
+                t.reason = fi.HOLDER_BUSY
+                q.holding.add(t)
+                return False
+        held_ms = (now - t.enqueued) * 1000.0
+        picker = self.picker
+        lag = picker.lag(q, t, now)
+        q.remove(t)
+        try:
+            d, met = meet_slo(self.router, pool, d, t.request, t.fp, t.meta, now, t.only,
+                              excluded, held_ms)
+        except Unmeetable:
+            self._refuse(q, t, fi.SLO_UNMEETABLE, now)
+            return True
+        m = t.meta
+        dispatch = (fi.LOCALITY if gain > 0 else fi.FAIR if t.holder is None
+                    else fi.HOLDER if d.chosen == t.holder else fi.HOLDER_TIMEOUT)
+        info = FlowInfo(m.tenant, m.priority, held_ms=held_ms, hold_reason=t.reason,
+                        position=t.position, queued_at_dispatch=q.count, dispatch=dispatch,
+                        lag_tokens=lag, gain_ms=gain, charged_tokens=t.cost,
+                        estimated_output=t.est_output, objective=m.objective, slo_ms=m.slo_ms,
+                        slo_met=met, holder=t.holder)
+        self._book(pool, q, d, t.request, t.fp, info, now, started, t.cost)
+        self._finish(q, t, DISPATCHED, now, decision=d)
+        return True
+
+    def _book(self, pool: Pool, q: PoolQueue, d: Decision, req: InferenceRequest,
+              fp: Fingerprint, info: FlowInfo, now: float, started: float | None,
+              cost: float) -> Decision:
+        d.flow = info
+        self.router.book(d, pool, fp, req, now, started)
+        q.counters.charge((info.priority, info.tenant), cost, now)
+        q.note_dispatch(now)
+        for o in self.observers:
+            o.on_dispatched(d, now)
+        return d
+
+    # -- leaving the queue ----------------------------------------------------------------------
+    def cancel(self, t: Ticket, now: float) -> None:
+        """``t``'s client left: out of the queue at once (nobody is answered)."""
+        q = self.queues.get(t.pool)
+        if t.state != QUEUED or q is None:
+            return
+        q.remove(t)
+        t.state = CANCELLED
+        for o in self.observers:
+            o.on_cancelled(t, now)
+        self.kick()  # what it blocked (a band's head) may go now
+
+    def _finish(self, q: PoolQueue, t: Ticket, state: str, now: float, *,
+                decision: Decision | None = None, error: FlowError | None = None) -> None:
+        t.state, t.decision, t.error = state, decision, error
+        if error is not None:
+            self.router.reject(error, t.request, now)
+            for o in self.observers:
+                o.on_refused(t.pool, t.meta, error, now - t.enqueued, now)
+        if t.on_done is not None:
+            t.on_done(t)
+
+    def _refuse(self, q: PoolQueue, t: Ticket, reason: str, now: float) -> None:
+        self._finish(q, t, REFUSED, now, error=self._error(q, t.meta, reason, now))
+
+    def _report_new(self, q: PoolQueue, req: InferenceRequest, meta: FlowMeta,
+                    err: FlowError, now: float) -> FlowError:
+        """A refusal at arrival, reported; the caller raises it."""
+        self.router.reject(err, req, now)
+        for o in self.observers:
+            o.on_refused(q.name, meta, err, 0.0, now)
+        return err
+
+    def _make_room(self, q: PoolQueue, t: Ticket, now: float) -> None:
+        """A full band takes ``t`` by pushing out the newest request of the tenant that holds
+        the most of it, if that is another tenant holding more; else ``t`` is refused."""
+        p = t.meta.priority
+        band = q.bands.get(p)
+        if band is None or band.count < self.config.max_queued:
+            return
+        mine = len(band.tenants.get(t.meta.tenant, ()))
+        longest = q.longest_tenant(p)
+        if longest is None or longest[0] == t.meta.tenant or longest[1] <= mine + 1:
+            raise self._report_new(q, t.request, t.meta,
+                                   self._error(q, t.meta, fi.QUEUE_FULL, now), now)
+        victim = band.tenants[longest[0]][-1]
+        q.remove(victim)
+        self._refuse(q, victim, fi.OVER_SHARE, now)
+
+    def _error(self, q: PoolQueue, meta: FlowMeta, reason: str, now: float) -> FlowError:
+        return refusal(q, meta, reason, now, self.config)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def settle(self, pool: str, f: FlowInfo, completion_tokens: int, now: float) -> None:
+        """A request finished: charge its tenant the real output instead of the estimate."""
+        self.estimates.observe(f.tenant, completion_tokens)
+        q = self.queues.get(pool)
+        if q is not None and self.output_at_dispatch:
+            delta = self.config.output_weight * (completion_tokens - f.estimated_output)
+            q.counters.charge((f.priority, f.tenant), delta, now)
+
+    def charge_output(self, pool: str, f: FlowInfo, tokens: int, now: float) -> None:
+        """Charge output tokens as generated (a driver that sees them: the simulator)."""
+        q = self.queues.get(pool)
+        if q is not None:
+            q.counters.charge((f.priority, f.tenant), self.config.output_weight * tokens, now)
+
+    def next_deadline(self) -> float:
+        """The driver's clock time at which a held request expires or stops waiting for its
+        prefix holder (inf: nothing held)."""
+        return min((q.next_deadline() for q in self.queues.values() if q), default=math.inf)
+
+    @property
+    def held(self) -> int:
+        return sum(q.count for q in self.queues.values())
+
+    def snapshot(self, now: float) -> list[dict[str, Any]]:
+        """Per pool and band: held requests per tenant and the fairness lag (the spread of
+        backlogged tenants' counters), for metrics and /flow."""
+        out = []
+        for q in self.queues.values():
+            for p, band in q.bands.items():
+                served = [q.counters.value((p, t), now) for t in band.tenants]
+                out.append({"pool": q.name, "priority": p,
+                            "tenants": {t: len(f) for t, f in band.tenants.items()},
+                            "lag_tokens": max(served) - min(served) if served else 0.0,
+                            "oldest_s": max((now - f[0].enqueued
+                                             for f in band.tenants.values()), default=0.0)})
+        return out
+
+    def _queue(self, name: str) -> PoolQueue:
+        q = self.queues.get(name)
+        if q is None:
+            q = self.queues[name] = PoolQueue(name, self.config.half_life_s)
+        return q
+
+    def _cost(self, prompt_tokens: int, est_output: int) -> float:
+        c = self.config
+        out = c.output_weight * est_output if self.output_at_dispatch else 0.0
+        return c.input_weight * max(1, prompt_tokens) + out
+
+    @staticmethod
+    def _any_ready(pool: Pool, only: Collection[str] | None) -> bool:
+        return any(w.ready for a, w in pool.workers.items() if only is None or a in only)
+
+
+def _holder_gain(d: Decision) -> tuple[str | None, float]:
+    """The best closed worker, and by how much its value beats the chosen one's (the ms the
+    router predicts waiting for it saves over recomputing elsewhere)."""
+    best = None
+    for c in d.candidates:
+        if c.filtered == CLOSED and (best is None or c.value > best.value):
+            best = c
+    if best is None:
+        return None, 0.0
+    return best.worker, best.value - d.winner.value
+
+
+def _all(q: PoolQueue) -> list[Ticket]:
+    return [t for b in q.bands.values() for t in b]
