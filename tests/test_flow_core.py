@@ -59,12 +59,12 @@ def test_a_free_pool_routes_at_once_and_records_it() -> None:
 
 def test_a_full_pool_holds_and_dispatches_when_a_worker_opens() -> None:
     router, fc = flow()
-    load(router, 100.0, 2)  # every worker at the gate's depth
+    load(router, 100.0, 1)  # every worker at the gate's depth
     done: list[Ticket] = []
     t = fc.admit(req(), FlowMeta("acme"), 100.0, on_done=done.append)
     assert isinstance(t, Ticket) and t.reason == fi.POOL_FULL and fc.held == 1
     assert fc.pump(100.5) == 0  # nothing opened
-    load(router, 101.0, {WORKERS[1]: 1, WORKERS[0]: 2, WORKERS[2]: 2})
+    load(router, 101.0, {WORKERS[1]: 0, WORKERS[0]: 1, WORKERS[2]: 1})
     assert fc.pump(101.0) == 1
     assert done == [t] and t.state == DISPATCHED
     d = t.decision
@@ -77,24 +77,24 @@ def test_a_full_pool_holds_and_dispatches_when_a_worker_opens() -> None:
 
 def test_higher_bands_dispatch_first() -> None:
     router, fc = flow()
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     low = fc.admit(req("low"), FlowMeta("a", priority=0), 100.0)
     high = fc.admit(req("high"), FlowMeta("b", priority=5), 100.1)
     assert isinstance(low, Ticket) and isinstance(high, Ticket)
-    load(router, 101.0, {WORKERS[0]: 1, WORKERS[1]: 2, WORKERS[2]: 2})
+    load(router, 101.0, {WORKERS[0]: 0, WORKERS[1]: 1, WORKERS[2]: 1})
     fc.pump(101.0)
     assert high.state == DISPATCHED and low.state != DISPATCHED
 
 
 def test_a_light_tenant_overtakes_a_flood() -> None:
     router, fc = flow(bend_tokens=0.0, lookahead=1)
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     flood = [fc.admit(req(f"f{i}"), FlowMeta("flood"), 100.0 + i * 0.01) for i in range(20)]
     light = fc.admit(req("l"), FlowMeta("light"), 100.5)
     # The flood has been served before: its counter is ahead of the light tenant's.
     q = fc.queues["default"]
     q.counters.charge((0, "flood"), 50_000, 100.5)
-    load(router, 101.0, {WORKERS[0]: 1, WORKERS[1]: 2, WORKERS[2]: 2})
+    load(router, 101.0, {WORKERS[0]: 0, WORKERS[1]: 1, WORKERS[2]: 1})
     fc.pump(101.0)
     assert isinstance(light, Ticket) and light.state == DISPATCHED
     assert all(isinstance(t, Ticket) and t.state != DISPATCHED for t in flood)
@@ -111,7 +111,7 @@ def test_two_backlogged_tenants_stay_within_the_bend_bound() -> None:
     finish(router, warm)
     holder = warm.chosen
     tickets = []
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     for i in range(30):
         tickets.append(fc.admit(req(f"a{i}", doc=DOC, max_tokens=8), FlowMeta("a"),
                                 100.0 + i * 1e-3))
@@ -121,7 +121,7 @@ def test_two_backlogged_tenants_stay_within_the_bend_bound() -> None:
     spread, served = [], []
     for k in range(40):
         now = 101.0 + k
-        load(router, now, {w: (1 if w == holder else 2) for w in WORKERS})
+        load(router, now, {w: (0 if w == holder else 1) for w in WORKERS})
         assert fc.pump(now, limit=1) == 1
         d = next(t.decision for t in tickets if t.state == DISPATCHED and t.decision
                  and t.decision.flow.held_ms == pytest.approx((now - t.enqueued) * 1000))
@@ -144,10 +144,10 @@ def test_locality_prefers_the_request_an_open_worker_holds() -> None:
     warm = fc.admit(req("warm", doc=DOC), FlowMeta("a"), 99.0)
     assert isinstance(warm, Decision)
     finish(router, warm)
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     cold = fc.admit(req("cold " * 50), FlowMeta("b"), 100.0)
     hot = fc.admit(req("hot", doc=DOC), FlowMeta("c"), 100.1)
-    load(router, 101.0, {w: (1 if w == warm.chosen else 2) for w in WORKERS})
+    load(router, 101.0, {w: (0 if w == warm.chosen else 1) for w in WORKERS})
     fc.pump(101.0, limit=1)
     assert isinstance(hot, Ticket) and hot.state == DISPATCHED
     assert isinstance(cold, Ticket) and cold.state != DISPATCHED
@@ -163,10 +163,10 @@ def test_waiting_for_a_busy_prefix_holder_then_going_to_it() -> None:
     finish(router, warm)
     holder = warm.chosen
     router.pools["default"].typical_uncached = 100  # others' queued requests are short
-    load(router, 100.0, {holder: 2})  # the holder is busy, the others idle
+    load(router, 100.0, {holder: 1})  # the holder is busy, the others idle
     t = fc.admit(req("again", doc=DOC * 12), FlowMeta("a"), 100.0)
     assert isinstance(t, Ticket) and t.reason == fi.HOLDER_BUSY and t.holder == holder
-    assert fc.next_deadline() == pytest.approx(t.holder_until)
+    assert fc.next_deadline(100.0) == pytest.approx(t.holder_until)
     load(router, 100.2, {})  # the holder opens
     fc.pump(100.2)
     assert t.state == DISPATCHED and t.decision is not None
@@ -180,12 +180,12 @@ def test_a_holder_wait_is_bounded() -> None:
     assert isinstance(warm, Decision)
     finish(router, warm)
     router.pools["default"].typical_uncached = 100
-    load(router, 100.0, {warm.chosen: 2})
+    load(router, 100.0, {warm.chosen: 1})
     t = fc.admit(req("again", doc=DOC * 12), FlowMeta("a"), 100.0)
     assert isinstance(t, Ticket) and t.holder_until <= 100.3 + 1e-9
-    load(router, 100.2, {warm.chosen: 2})
+    load(router, 100.2, {warm.chosen: 1})
     assert fc.pump(100.2) == 0
-    load(router, 100.4, {warm.chosen: 2})
+    load(router, 100.4, {warm.chosen: 1})
     fc.pump(100.4)
     assert t.state == DISPATCHED and t.decision is not None
     assert t.decision.chosen != warm.chosen and t.decision.flow.dispatch == fi.HOLDER_TIMEOUT
@@ -193,13 +193,13 @@ def test_a_holder_wait_is_bounded() -> None:
 
 def test_time_to_live_then_429_with_retry_after() -> None:
     router, fc = flow(ttl_s=2.0)
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     t = fc.admit(req(), FlowMeta("a"), 100.0)
     assert isinstance(t, Ticket)
-    load(router, 101.9, 2)
+    load(router, 101.9, 1)
     fc.pump(101.9)
     assert t.state != REFUSED
-    load(router, 102.1, 2)
+    load(router, 102.1, 1)
     fc.pump(102.1)
     assert t.state == REFUSED and isinstance(t.error, FlowError)
     assert t.error.status == 429 and t.error.reason == fi.TTL_EXPIRED
@@ -209,7 +209,7 @@ def test_time_to_live_then_429_with_retry_after() -> None:
 def test_503_only_when_no_worker_is_ready() -> None:
     router, fc = flow(ttl_s=1.0)
     pool = router.pools["default"]
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     t = fc.admit(req(), FlowMeta("a"), 100.0)
     assert isinstance(t, Ticket)
     for w in WORKERS:
@@ -223,7 +223,7 @@ def test_503_only_when_no_worker_is_ready() -> None:
 
 def test_a_full_band_pushes_out_the_tenant_holding_most_of_it() -> None:
     router, fc = flow(max_queued=5)
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     flood = [fc.admit(req(f"f{i}"), FlowMeta("flood"), 100.0) for i in range(5)]
     light = fc.admit(req("l"), FlowMeta("light"), 100.1)
     assert isinstance(light, Ticket)
@@ -239,7 +239,7 @@ def test_sheddable_requests_are_shed_when_they_would_wait() -> None:
     router, fc = flow()
     d = fc.admit(req(), FlowMeta("batch", priority=-1), 100.0)
     assert isinstance(d, Decision)  # a free pool serves it
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     critical = fc.admit(req(), FlowMeta("ops", priority=10), 100.0)
     assert isinstance(critical, Ticket)  # held
     with pytest.raises(FlowError) as exc:
@@ -249,7 +249,7 @@ def test_sheddable_requests_are_shed_when_they_would_wait() -> None:
 
 def test_a_client_leaving_leaves_the_queue_at_once() -> None:
     router, fc = flow()
-    load(router, 100.0, 2)
+    load(router, 100.0, 1)
     t = fc.admit(req(), FlowMeta("a"), 100.0)
     assert isinstance(t, Ticket)
     fc.cancel(t, 100.1)
@@ -320,4 +320,4 @@ def test_parse_flow_settings() -> None:
             parse_flow(bad)
     with pytest.raises(ValueError):
         FlowConfig(fairness="random")
-    assert math.isinf(FlowControl(make_router()).next_deadline())
+    assert math.isinf(FlowControl(make_router()).next_deadline(0.0))

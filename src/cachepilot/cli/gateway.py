@@ -12,6 +12,7 @@ from cachepilot.cli.options import cost_option, policy_option, weights_option
 from cachepilot.core import cost as costs
 from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.fingerprint import BlockConfig, load_tokenizer, load_vllm_tokenizer
+from cachepilot.core.flow.config import FlowConfig, parse_flow
 from cachepilot.core.router import Router, static_router
 from cachepilot.tooling.stack import PortInUseError, check_port_free
 
@@ -30,6 +31,14 @@ def parse_cost(text: str | None) -> CostModel:
         return CostModel().with_(**costs.parse_cost(text))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cost") from None
+
+
+def parse_flow_config(text: str | None, enabled: bool = True) -> FlowConfig:
+    """``--flow hold_depth=2,…`` → FlowConfig (a usage error names what was wrong)."""
+    try:
+        return FlowConfig(enabled=enabled, **parse_flow(text))
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--flow") from None
 
 
 def host_port(text: str, option: str) -> tuple[str, int]:
@@ -117,6 +126,14 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @click.option("--replica-subject", default="cachepilot.sync", show_default=True,
               help="NATS subject of this deployment's replicas (one per deployment sharing "
                    "a NATS server).")
+@click.option("--flow-control", type=click.Choice(["on", "off"]), default="on",
+              show_default=True,
+              help="Hold requests no worker should take now (by priority band, fairly across "
+                   "tenants) instead of answering 429 at the admission limit; off: the old "
+                   "behaviour (docs/flow-control.md).")
+@click.option("--flow", "flow_settings", default=None, metavar="NAME=VALUE,…",
+              help="Flow-control settings, e.g. hold_depth=2,ttl_s=20,bend_tokens=8192,"
+                   "tenant_header=x-team (docs/flow-control.md lists them).")
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
@@ -127,7 +144,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
                 capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
-                kv_events_topic: str, vllm_hash_seed: str | None, protocol: str) -> None:
+                kv_events_topic: str, vllm_hash_seed: str | None, protocol: str,
+                flow_control: str, flow_settings: str | None) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.director import GatewayOptions
@@ -145,6 +163,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         raise click.UsageError("--epp-service needs --kubernetes")
     if vllm_hash_seed is not None and not tokenizer:
         raise click.UsageError("--vllm-hash-seed needs --tokenizer (the workers' tokenizer.json)")
+    flow = parse_flow_config(flow_settings, flow_control == "on")
     listen_host, listen_port = host_port(listen, "--listen")
     try:  # on loopback we can tell now; elsewhere the bind itself fails (a spare's ports
         # belong to the gateway it stands in for)
@@ -178,7 +197,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            decision_log=decision_log, calibrate=calibrate,
                            stall_after_s=stall_after, replica_bus=replica_bus,
                            replica_id=replica_id, replica_subject=replica_subject,
-                           kv_endpoints=kv_endpoints,
+                           kv_endpoints=kv_endpoints, flow=flow,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
                                                   observe_responses=observe_responses,

@@ -34,6 +34,8 @@ from typing import Any
 import orjson
 import yaml
 
+from cachepilot.core.flow.classify import header_names
+from cachepilot.core.flow.config import FlowConfig
 from cachepilot.core.request import INFERENCE_PATHS
 from cachepilot.gateway.protocol import (
     BODY_METADATA,
@@ -54,6 +56,7 @@ from cachepilot.gateway.protocol import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
     WORKER_HEADER,
+    header_attribute,
 )
 
 _T = "type.googleapis.com/envoy."
@@ -124,6 +127,9 @@ class EnvoyOptions:
     # gateway and Envoy add (destination, decision id, x-request-id, x-forwarded-proto, …).
     max_request_headers: int = 100
     extra: dict[str, Any] = field(default_factory=dict)
+    # Request headers flow control reads (tenant, priority band, TTFT target), forwarded to
+    # the routing stream as ext_proc attributes: a body-only stream sees no headers.
+    flow_headers: tuple[str, ...] = header_names(FlowConfig())
 
     @property
     def body_only(self) -> bool:
@@ -455,6 +461,10 @@ def build_bootstrap(o: EnvoyOptions) -> dict[str, Any]:
             "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
             # The gateway's ordered worker list for the override-host cluster.
             "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+            # Flow control's headers, in the stream's first message (a body-only stream gets
+            # no headers). Filter-wide: Envoy 1.40 ignores a per-route request_attributes.
+            **({"request_attributes": [header_attribute(h) for h in o.flow_headers]}
+               if o.flow_headers else {}),
             # Stream the body at once: the gateway answers the headers when it has the body,
             # so a decision costs one round trip (STREAMED mode only).
             "send_body_without_waiting_for_header_response": True,

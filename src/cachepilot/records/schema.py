@@ -104,6 +104,8 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
         "predicted_hit": bool(winner and winner.matched_blocks > 0),
         "predicted_cached_tokens": winner.matched_tokens if winner else 0,
     }
+    if decision.flow is not None:  # flow control: tenant, band, time held and why
+        rec["flow"] = decision.flow.to_dict()
     if cost is not None:
         rec["cost"] = dict(cost)
     if source is not None:

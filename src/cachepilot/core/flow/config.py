@@ -27,8 +27,9 @@ class FlowConfig:
     """Every flow-control knob. Defaults are what `cachepilot gateway` runs with."""
 
     enabled: bool = True
-    # -- the gate: a worker closes at this many requests waiting beyond its batch.
-    hold_depth: int = 2
+    # -- the gate: a worker closes at this many requests waiting beyond its batch (0: once
+    # its batch is full, when its size is known).
+    hold_depth: int = 1
     # -- bounds, per band (priority): queued requests, and seconds a request may be held.
     # Envoy's request timeout (30 s in the generated config) must outlast the TTL.
     max_queued: int = 1000
@@ -46,8 +47,10 @@ class FlowConfig:
     bend_tokens: float = 8192.0
     lookahead: int = 8  # requests fairness allows that locality chooses among
     locality_gain_ms: float = 10.0  # prefill ms a locality pick must save over the fair one
-    # The longest a request waits for the busy worker holding its prefix (also at most twice
-    # the gain the router predicts for waiting).
+    # A request waits for the busy worker holding its prefix when the predictor says its
+    # first token would come at least this much sooner there, queue included, than on an
+    # open worker; for at most that gain, and never longer than holder_wait_ms (0: never).
+    holder_gain_ms: float = 50.0
     holder_wait_ms: float = 1000.0
     # Output tokens a request is charged at dispatch when it sets no max_tokens and its tenant
     # has no history; completions correct the charge when the worker reports usage.
@@ -64,11 +67,14 @@ class FlowConfig:
         if self.fairness not in FAIRNESS_MODES:
             raise ValueError(f"fairness is one of {', '.join(FAIRNESS_MODES)}, "
                              f"not {self.fairness!r}")
-        for name in ("hold_depth", "max_queued", "lookahead"):
+        for name in ("max_queued", "lookahead"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.hold_depth < 0:
+            raise ValueError("hold_depth must not be negative")
         for name in ("ttl_s", "sheddable_ttl_s", "half_life_s", "bend_tokens",
-                     "locality_gain_ms", "holder_wait_ms", "input_weight", "output_weight"):
+                     "locality_gain_ms", "holder_gain_ms", "holder_wait_ms", "input_weight",
+                     "output_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
 

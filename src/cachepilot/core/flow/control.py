@@ -57,6 +57,9 @@ class FlowControl:
         # tokens as they come) or as generated (the simulator's VTC model, charge_output).
         self.output_at_dispatch = True
         self.kick: Callable[[], None] = lambda: None  # the driver's "pump soon"
+        # Dispatches an arrival may trigger when others are held (0: as many as can go;
+        # a model of a scheduler that runs one dispatch cycle per arrival sets 1).
+        self.arrival_limit = 0
         self.plugin = FlowPlugin(self)
         self._seq = 0
 
@@ -65,7 +68,7 @@ class FlowControl:
               only: Collection[str] | None = None, started: float | None = None,
               on_done: Callable[[Ticket], None] | None = None) -> Decision | Ticket:
         """Route ``req`` now (a Decision), or hold it (a Ticket: ``on_done`` is called when it
-        leaves the queue), or refuse it (raises RequestError, already reported to the
+        leaves the queue later), or refuse it (raises RequestError, already reported to the
         router's plugins)."""
         router = self.router
         try:
@@ -88,7 +91,7 @@ class FlowControl:
         reason, holder, until, gain = hold
         self._seq += 1
         t = Ticket(self._seq, meta, req, pool.name, fp, cost, est, now,
-                   now + self.config.ttl(meta.priority), reason, only=only, on_done=on_done,
+                   self.deadline(now, meta.priority), reason, only=only,
                    holder=holder, holder_until=until, holder_gain_ms=gain)
         self._make_room(q, t, now)
         q.add(t, now)
@@ -97,14 +100,26 @@ class FlowControl:
         for o in self.observers:
             o.on_held(t, now)
         if reason == fi.QUEUED_BEHIND:
-            self._pump_pool(q, now)
-        if t.state == DISPATCHED:
+            self._pump_pool(q, now, self.arrival_limit)
+        if t.state == DISPATCHED:  # it went at once: the caller gets its decision…
             assert t.decision is not None
             return t.decision
-        if t.state == REFUSED:
+        if t.state == REFUSED:  # …or its refusal, and on_done is never called
             assert t.error is not None
             raise t.error
+        t.on_done = on_done
         return t
+
+    def _may_wait_for_holder(self, priority: int) -> bool:
+        return self.config.holder_wait_ms > 0 and self.config.ttl(priority) > 0
+
+    def _holder_wait_s(self, gain_ms: float) -> float:
+        """At most what waiting is predicted to save, and never beyond holder_wait_ms."""
+        return min(gain_ms, self.config.holder_wait_ms) / 1000.0
+
+    def deadline(self, now: float, priority: int) -> float:
+        """When a request of this band held from ``now`` runs out of time to live."""
+        return now + self.config.ttl(priority)
 
     def _try_now(self, pool: Pool, q: PoolQueue, req: InferenceRequest, fp: Fingerprint,
                  meta: FlowMeta, now: float, only: Collection[str] | None,
@@ -128,11 +143,10 @@ class FlowControl:
                 return (fi.POOL_FULL, None, 0.0, 0.0)
             self.router.reject(err, req, now)
             raise
-        if closed and self.config.ttl(meta.priority) > 0:
+        if closed and self._may_wait_for_holder(meta.priority):
             holder, gain = _holder_gain(d)
-            if holder is not None and gain >= self.config.locality_gain_ms:
-                wait_s = min(2.0 * gain, self.config.holder_wait_ms) / 1000.0
-                return (fi.HOLDER_BUSY, holder, now + wait_s, gain)
+            if holder is not None and gain >= self.config.holder_gain_ms:
+                return (fi.HOLDER_BUSY, holder, now + self._holder_wait_s(gain), gain)
         try:
             d, met = meet_slo(self.router, pool, d, req, fp, meta, now, only, excluded, 0.0)
         except Unmeetable:
@@ -202,11 +216,11 @@ class FlowControl:
                                    t.request, only=t.only, excluded=excluded)
         except RoutingError:
             return False  # nothing open it may use (its subset): it waits
-        if closed and t.holder is None and self.config.ttl(t.meta.priority) > 0:
+        if closed and t.holder is None and self._may_wait_for_holder(t.meta.priority):
             holder, hgain = _holder_gain(d)
-            if holder is not None and hgain >= self.config.locality_gain_ms:
-                wait_s = min(2.0 * hgain, self.config.holder_wait_ms) / 1000.0
-                t.holder, t.holder_until, t.holder_gain_ms = holder, now + wait_s, hgain
+            if holder is not None and hgain >= self.config.holder_gain_ms:
+                t.holder, t.holder_until = holder, now + self._holder_wait_s(hgain)
+                t.holder_gain_ms = hgain
                 t.reason = fi.HOLDER_BUSY
                 q.holding.add(t)
                 return False
@@ -310,10 +324,11 @@ class FlowControl:
         if q is not None:
             q.counters.charge((f.priority, f.tenant), self.config.output_weight * tokens, now)
 
-    def next_deadline(self) -> float:
-        """The driver's clock time at which a held request expires or stops waiting for its
-        prefix holder (inf: nothing held)."""
-        return min((q.next_deadline() for q in self.queues.values() if q), default=math.inf)
+    def next_deadline(self, now: float) -> float:
+        """The driver's clock time, after ``now``, at which a held request expires or stops
+        waiting for its prefix holder (inf: nothing will)."""
+        return min((q.next_deadline(now) for q in self.queues.values() if q),
+                   default=math.inf)
 
     @property
     def held(self) -> int:
@@ -350,15 +365,16 @@ class FlowControl:
 
 
 def _holder_gain(d: Decision) -> tuple[str | None, float]:
-    """The best closed worker, and by how much its value beats the chosen one's (the ms the
-    router predicts waiting for it saves over recomputing elsewhere)."""
+    """The closed worker with the best predicted TTFT for this request (its prefix holder,
+    typically), and how many ms sooner than on the chosen open worker the predictor says
+    its first token would come there, queue included: what waiting for it saves."""
     best = None
     for c in d.candidates:
-        if c.filtered == CLOSED and (best is None or c.value > best.value):
+        if c.filtered == CLOSED and (best is None or c.predicted_ttft_ms < best.predicted_ttft_ms):
             best = c
     if best is None:
         return None, 0.0
-    return best.worker, best.value - d.winner.value
+    return best.worker, d.winner.predicted_ttft_ms - best.predicted_ttft_ms
 
 
 def _all(q: PoolQueue) -> list[Ticket]:

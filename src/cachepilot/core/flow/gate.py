@@ -1,19 +1,19 @@
 """The gate: which workers may take a request now.
 
 A worker is *open* while the requests waiting at it beyond its batch stay under
-``hold_depth``; *closed* at or above it; *unusable* when it is not ready or its metrics are
-missing or stale. Waiting counts the last scrape's queue plus the requests this gateway sent
-since that the batch cannot have taken: the requests it has in flight beyond what the scrape
-saw, minus the batch's free places when the batch size is known (configured ``max_batch``,
-the engine's, a slot engine's slots, or the largest batch seen while requests waited). Until
-it is known, requests sent since the scrape are assumed to fit in the batch, so the gate can
-let one scrape interval's worth through before it sees a queue; a configured ``max_batch``
-makes it tight from the first request.
+``hold_depth`` (0: while its batch has a free place); *closed* at or above it; *unusable*
+when it is not ready or its metrics are missing or stale. Waiting counts the last scrape's
+occupancy corrected by what this gateway sent there and saw finish since, beyond the
+batch size when that is known (configured ``max_batch``, the engine's, a slot engine's
+slots, or the largest batch seen while requests waited). Until it is known, requests sent
+since the scrape are assumed to fit in the batch, so the gate can let one scrape interval's
+worth through before it sees a queue; a configured ``max_batch`` makes it tight from the
+first request.
 
-Why tight (default 2): a worker's own queue is first come, first served, so any request
-that waits there has already been ordered; only what the gateway still holds can be ordered
-by priority and fairness (llm-d's guide advises a queue-depth threshold of 1–5 "for maximum
-fairness/control").
+Why tight (default 1: at most one request waits at a worker): a worker's own queue is first
+come, first served, so any request that waits there has already been ordered; only what the
+gateway still holds can be ordered by priority and fairness (llm-d's guide advises a
+queue-depth threshold of 1–5 "for maximum fairness/control").
 """
 
 from __future__ import annotations
@@ -26,18 +26,28 @@ CLOSED = "closed"  # the candidate filter a closed worker gets in a decision
 
 
 def queued(w: WorkerState, now: float, cost: CostModel) -> int | None:
-    """Requests waiting at ``w`` beyond its batch, as this gateway believes; None when the
-    worker is unusable (not ready, unobserved, stale)."""
+    """Requests waiting at ``w`` beyond its batch as this gateway believes, negative when
+    its batch has free places (as many as that); None when the worker is unusable (not
+    ready, unobserved, stale).
+
+    The engine's occupancy now is the scrape's (waiting + running), plus the requests this
+    gateway sent there since, minus those of its requests that finished since: a scrape up
+    to an interval old would otherwise keep a worker closed after its batch freed places,
+    or open after a burst filled it. A scrape that saw requests waiting with the KV cache
+    past the cost model's threshold says the batch it saw running is as large as memory
+    allows, whatever its nominal size. Without a known batch size, free places are unknown:
+    the scraped queue alone, never negative."""
     m = w.metrics
     if not w.ready or m is None or now - m.scraped_at > cost.stale_after_s:
         return None
-    unseen = w.inflight - m.waiting - m.running
-    if unseen <= 0:
-        return m.waiting
     cap = cost.max_batch or m.max_batch or m.slots or w.batch_cap_seen
     if not cap:
         return m.waiting
-    return m.waiting + max(0, unseen - max(0, cap - m.running))
+    if m.waiting and (m.kv_usage or 0.0) >= cost.kv_threshold:
+        cap = min(cap, m.running)  # KV memory binds before the batch size: this is the batch
+    sent = w.assigned - m.router_assigned
+    finished = max(0, m.router_inflight + sent - w.inflight)
+    return m.waiting + m.running + sent - finished - cap
 
 
 class Gate:
@@ -56,5 +66,13 @@ class Gate:
             q = queued(w, now, cost)
             if q is None:
                 continue
-            (opened if q < depth else closed).append(addr)
+            # No known batch size: free places are unknown, so depth 0 behaves as 1.
+            limit = depth if depth > 0 or _capped(w, cost) else 1
+            (opened if q < limit else closed).append(addr)
         return opened, closed
+
+
+def _capped(w: WorkerState, cost: CostModel) -> bool:
+    m = w.metrics
+    return bool(cost.max_batch or (m is not None and (m.max_batch or m.slots))
+                or w.batch_cap_seen)

@@ -45,18 +45,30 @@ class Picker:
 
 
 class FairPicker(Picker):
-    """Weighted-token fair shares, bent by at most ``bend_tokens`` for locality."""
+    """Weighted-token fair shares, bent by at most ``bend_tokens`` for locality.
 
-    def __init__(self, cfg: FlowConfig) -> None:
+    Tenants equally served (a tenant just backlogged is lifted to the least counter, so
+    ties are common) go shortest queue first, then oldest request first: among equals, the
+    one asking least waits least (``shortest_first``; off, the oldest request first, as the
+    VTC paper's argmin over arrival order)."""
+
+    def __init__(self, cfg: FlowConfig, *, shortest_first: bool = True) -> None:
         self.bend = cfg.bend_tokens
         self.lookahead = cfg.lookahead
+        self.shortest_first = shortest_first
 
     def candidates(self, q: PoolQueue, band: Band, now: float, usable: Usable) -> list[Ticket]:
         value = q.counters.value
         served = {tenant: value((band.priority, tenant), now) for tenant in band.tenants}
         least = min(served.values())
-        allowed = sorted((t for t, s in served.items() if s <= least + self.bend),
-                         key=lambda t: (served[t], band.tenants[t][0].seq))
+        fifos = band.tenants
+        if self.shortest_first:
+            def key(t: str) -> tuple[float, int, int]:
+                return (served[t], len(fifos[t]), fifos[t][0].seq)
+        else:
+            def key(t: str) -> tuple[float, int, int]:
+                return (served[t], 0, fifos[t][0].seq)
+        allowed = sorted((t for t, s in served.items() if s <= least + self.bend), key=key)
         out: list[Ticket] = []
         for depth in range(self.lookahead):
             more = False

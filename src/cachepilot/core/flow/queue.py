@@ -153,8 +153,10 @@ class PoolQueue:
                     out.append(t)
         return out
 
-    def next_deadline(self) -> float:
-        """When the next request expires or stops waiting for its prefix holder."""
+    def next_deadline(self, now: float) -> float:
+        """When, after ``now``, the next request expires or stops waiting for its prefix
+        holder (those whose wait is over are forgotten here)."""
+        self.holding = {t for t in self.holding if t.holder_until > now}
         soonest = min((t.holder_until for t in self.holding), default=math.inf)
         for b in self.bands.values():
             for q in b.tenants.values():
