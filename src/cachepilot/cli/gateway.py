@@ -85,6 +85,12 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="With --kubernetes: also watch InferencePools (the CRD must be installed); "
                    "those whose endpointPickerRef names this Service become pools "
                    "(docs/gateway-api.md).")
+@click.option("--inference-objectives", "objectives_group", default=None, metavar="GROUP",
+              is_flag=False, flag_value="inference.networking.x-k8s.io",
+              help="With --kubernetes: watch InferenceObjectives (of this API group; the flag "
+                   "alone: inference.networking.x-k8s.io; the CRD must be installed): the "
+                   "x-gateway-inference-objective header selects the objective's priority "
+                   "band (docs/flow-control.md).")
 @click.option("--model", "models", multiple=True, help="Models this pool serves (default: any).")
 @click.option("--engine", default="vllm", show_default=True,
               type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
@@ -145,7 +151,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
                 kv_events_topic: str, vllm_hash_seed: str | None, protocol: str,
-                flow_control: str, flow_settings: str | None) -> None:
+                flow_control: str, flow_settings: str | None,
+                objectives_group: str | None) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.director import GatewayOptions
@@ -161,6 +168,9 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         raise click.UsageError("--workers and --kubernetes exclude each other")
     if epp_service is not None and not kubernetes:
         raise click.UsageError("--epp-service needs --kubernetes")
+    if objectives_group is not None and not kubernetes:
+        raise click.UsageError("--inference-objectives needs --kubernetes (without it, use "
+                               "the x-cachepilot-priority header)")
     if vllm_hash_seed is not None and not tokenizer:
         raise click.UsageError("--vllm-hash-seed needs --tokenizer (the workers' tokenizer.json)")
     flow = parse_flow_config(flow_settings, flow_control == "on")
@@ -215,11 +225,12 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         if kubernetes:
             from cachepilot.operator import OperatorOptions, run_operator
 
-            gateway.add_task(run_operator(router, namespace=namespace, stop_flag=asyncio.Event(),
-                                          options=OperatorOptions(lease_name=lease_name,
-                                                                  epp_service=epp_service),
-                                          kv_events=kv_sources,
-                                          scraper=gateway.scraper))
+            gateway.add_task(run_operator(
+                router, namespace=namespace, stop_flag=asyncio.Event(),
+                options=OperatorOptions(lease_name=lease_name, epp_service=epp_service,
+                                        objectives_group=objectives_group),
+                kv_events=kv_sources, scraper=gateway.scraper,
+                objectives=gateway.flow.objectives if gateway.flow is not None else None))
         await serve(gateway, ready)
 
     asyncio.run(main())

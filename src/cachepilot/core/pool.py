@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig
+from cachepilot.core.flow.config import FlowConfig
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.workers import WorkerMetrics, WorkerSnapshot, WorkerState
 
@@ -25,6 +26,9 @@ class PoolSpec:
     block: BlockConfig = field(default_factory=BlockConfig)
     # Blocks per worker in the directory until the engine reports its own (cache_config_info).
     capacity_blocks: int = 4096
+    # Flow control's settings for this pool (a CachePilotPool's spec.flowControl); None: the
+    # gateway's (cachepilot.core.flow.config.FlowConfig).
+    flow: FlowConfig | None = None
 
 
 class Pool:

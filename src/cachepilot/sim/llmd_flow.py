@@ -113,12 +113,12 @@ class LlmdFlowControl(FlowControl):
 
     def _make_room(self, q: PoolQueue, t: Ticket, now: float) -> None:
         band = q.bands.get(t.meta.priority)
-        if band is not None and band.count >= self.config.max_queued:
+        if band is not None and band.count >= q.config.max_queued:
             raise self._report_new(q, t.request, t.meta,
                                    self._error(q, t.meta, QUEUE_FULL, now), now)
 
-    def deadline(self, now: float, priority: int) -> float:
-        return math.ceil((now + self.config.ttl(priority)) / SWEEP_S) * SWEEP_S
+    def deadline(self, cfg: FlowConfig, now: float, priority: int) -> float:
+        return math.ceil((now + cfg.ttl(priority)) / SWEEP_S) * SWEEP_S
 
 
 def llmd(fairness: str = "global-strict") -> SimFlow:

@@ -46,9 +46,10 @@ class FlowControl:
                  gate: Gate | None = None, picker: Picker | None = None,
                  observers: Sequence[FlowObserver] = ()) -> None:
         self.router = router
+        # The gateway's settings; a pool's spec.flow replaces them for that pool.
         self.config = cfg = config or FlowConfig()
-        self.gate = gate or Gate(cfg.hold_depth)
-        self.picker = picker or make_picker(cfg)
+        self._gate, self._picker = gate, picker  # another scheduler's model: every pool's
+        self._parts: dict[int, tuple[Gate, Picker]] = {}  # by id of a pool's FlowConfig
         self.observers: list[FlowObserver] = list(observers)
         self.queues: dict[str, PoolQueue] = {}
         self.objectives: dict[str, int] = {}  # InferenceObjective name → priority
@@ -76,9 +77,17 @@ class FlowControl:
         except RequestError as err:
             router.reject(err, req, now)
             raise
-        q = self._queue(pool.name)
+        q = self._queue(pool)
+        cfg = q.config
+        if not cfg.enabled:  # flow control is off for this pool: the router alone
+            try:
+                d = router.decide(pool, req.model, fp, now, router.next_id(), req, only=only)
+            except RequestError as err:
+                router.reject(err, req, now)
+                raise
+            return router.book(d, pool, fp, req, now, started)
         est = self.estimates.estimate(meta.tenant, req.max_tokens)
-        cost = self._cost(fp.tokens, est)
+        cost = self._cost(cfg, fp.tokens, est)
         if q:
             hold: _Hold = (fi.QUEUED_BEHIND, None, 0.0, 0.0)
         else:
@@ -86,12 +95,12 @@ class FlowControl:
             if isinstance(now_or_hold, Decision):
                 return now_or_hold
             hold = now_or_hold
-        if meta.sheddable and self.config.ttl(meta.priority) <= 0:
+        if meta.sheddable and cfg.ttl(meta.priority) <= 0:
             raise self._report_new(q, req, meta, self._error(q, meta, fi.SHEDDABLE, now), now)
         reason, holder, until, gain = hold
         self._seq += 1
         t = Ticket(self._seq, meta, req, pool.name, fp, cost, est, now,
-                   self.deadline(now, meta.priority), reason, only=only,
+                   self.deadline(cfg, now, meta.priority), reason, only=only,
                    holder=holder, holder_until=until, holder_gain_ms=gain)
         self._make_room(q, t, now)
         q.add(t, now)
@@ -110,23 +119,26 @@ class FlowControl:
         t.on_done = on_done
         return t
 
-    def _may_wait_for_holder(self, priority: int) -> bool:
-        return self.config.holder_wait_ms > 0 and self.config.ttl(priority) > 0
+    @staticmethod
+    def _holder_wait_s(cfg: FlowConfig, priority: int, gain_ms: float) -> float:
+        """How long a request may wait for its busy prefix holder: at most what waiting is
+        predicted to save, never beyond holder_wait_ms; 0 when it may not (not worth it, or
+        its band is never held)."""
+        if gain_ms < cfg.holder_gain_ms or cfg.holder_wait_ms <= 0 or cfg.ttl(priority) <= 0:
+            return 0.0
+        return min(gain_ms, cfg.holder_wait_ms) / 1000.0
 
-    def _holder_wait_s(self, gain_ms: float) -> float:
-        """At most what waiting is predicted to save, and never beyond holder_wait_ms."""
-        return min(gain_ms, self.config.holder_wait_ms) / 1000.0
-
-    def deadline(self, now: float, priority: int) -> float:
+    def deadline(self, cfg: FlowConfig, now: float, priority: int) -> float:
         """When a request of this band held from ``now`` runs out of time to live."""
-        return now + self.config.ttl(priority)
+        return now + cfg.ttl(priority)
 
     def _try_now(self, pool: Pool, q: PoolQueue, req: InferenceRequest, fp: Fingerprint,
                  meta: FlowMeta, now: float, only: Collection[str] | None,
                  started: float | None, cost: float, est: int) -> Decision | _Hold:
         """Nothing is held in the pool: route at once if an open worker should take it,
         else say why it waits."""
-        opened, closed = self.gate.split(pool, now)
+        cfg = q.config
+        opened, closed = self._gate_of(q).split(pool, now)
         if only is not None:
             opened = [w for w in opened if w in only]
             closed = [w for w in closed if w in only]
@@ -143,10 +155,11 @@ class FlowControl:
                 return (fi.POOL_FULL, None, 0.0, 0.0)
             self.router.reject(err, req, now)
             raise
-        if closed and self._may_wait_for_holder(meta.priority):
+        if closed:
             holder, gain = _holder_gain(d)
-            if holder is not None and gain >= self.config.holder_gain_ms:
-                return (fi.HOLDER_BUSY, holder, now + self._holder_wait_s(gain), gain)
+            wait_s = self._holder_wait_s(cfg, meta.priority, gain)
+            if holder is not None and wait_s > 0:
+                return (fi.HOLDER_BUSY, holder, now + wait_s, gain)
         try:
             d, met = meet_slo(self.router, pool, d, req, fp, meta, now, only, excluded, 0.0)
         except Unmeetable:
@@ -174,8 +187,10 @@ class FlowControl:
                 else fi.NO_READY_WORKER
             self._refuse(q, t, why, now)
         n = 0
+        if pool is not None:
+            self._queue(pool)  # its settings as the pool's spec says now
         while q and pool is not None and (not limit or n < limit):
-            opened, closed = self.gate.split(pool, now)
+            opened, closed = self._gate_of(q).split(pool, now)
             if not opened or not self._dispatch_one(pool, q, opened, closed, now):
                 break
             n += 1
@@ -192,10 +207,10 @@ class FlowControl:
 
         for priority in q.order:
             band = q.bands[priority]
-            cands = self.picker.candidates(q, band, now, usable)
+            cands = self._picker_of(q).candidates(q, band, now, usable)
             if not cands:
                 continue
-            order, gain = locality_pick(pool, cands, opened, self.config.locality_gain_ms)
+            order, gain = locality_pick(pool, cands, opened, q.config.locality_gain_ms)
             for i, t in enumerate(order):
                 if self._try_dispatch(pool, q, t, opened, closed, now,
                                       gain if i == 0 else 0.0):
@@ -216,17 +231,16 @@ class FlowControl:
                                    t.request, only=t.only, excluded=excluded)
         except RoutingError:
             return False  # nothing open it may use (its subset): it waits
-        if closed and t.holder is None and self._may_wait_for_holder(t.meta.priority):
+        if closed and t.holder is None:
             holder, hgain = _holder_gain(d)
-            if holder is not None and hgain >= self.config.holder_gain_ms:
-                t.holder, t.holder_until = holder, now + self._holder_wait_s(hgain)
-                t.holder_gain_ms = hgain
+            wait_s = self._holder_wait_s(q.config, t.meta.priority, hgain)
+            if holder is not None and wait_s > 0:
+                t.holder, t.holder_until, t.holder_gain_ms = holder, now + wait_s, hgain
                 t.reason = fi.HOLDER_BUSY
                 q.holding.add(t)
                 return False
         held_ms = (now - t.enqueued) * 1000.0
-        picker = self.picker
-        lag = picker.lag(q, t, now)
+        lag = self._picker_of(q).lag(q, t, now)
         q.remove(t)
         try:
             d, met = meet_slo(self.router, pool, d, t.request, t.fp, t.meta, now, t.only,
@@ -295,7 +309,7 @@ class FlowControl:
         the most of it, if that is another tenant holding more; else ``t`` is refused."""
         p = t.meta.priority
         band = q.bands.get(p)
-        if band is None or band.count < self.config.max_queued:
+        if band is None or band.count < q.config.max_queued:
             return
         mine = len(band.tenants.get(t.meta.tenant, ()))
         longest = q.longest_tenant(p)
@@ -307,7 +321,7 @@ class FlowControl:
         self._refuse(q, victim, fi.OVER_SHARE, now)
 
     def _error(self, q: PoolQueue, meta: FlowMeta, reason: str, now: float) -> FlowError:
-        return refusal(q, meta, reason, now, self.config)
+        return refusal(q, meta, reason, now, q.config)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def settle(self, pool: str, f: FlowInfo, completion_tokens: int, now: float) -> None:
@@ -315,14 +329,14 @@ class FlowControl:
         self.estimates.observe(f.tenant, completion_tokens)
         q = self.queues.get(pool)
         if q is not None and self.output_at_dispatch:
-            delta = self.config.output_weight * (completion_tokens - f.estimated_output)
+            delta = q.config.output_weight * (completion_tokens - f.estimated_output)
             q.counters.charge((f.priority, f.tenant), delta, now)
 
     def charge_output(self, pool: str, f: FlowInfo, tokens: int, now: float) -> None:
         """Charge output tokens as generated (a driver that sees them: the simulator)."""
         q = self.queues.get(pool)
         if q is not None:
-            q.counters.charge((f.priority, f.tenant), self.config.output_weight * tokens, now)
+            q.counters.charge((f.priority, f.tenant), q.config.output_weight * tokens, now)
 
     def next_deadline(self, now: float) -> float:
         """The driver's clock time, after ``now``, at which a held request expires or stops
@@ -348,16 +362,32 @@ class FlowControl:
                                              for f in band.tenants.values()), default=0.0)})
         return out
 
-    def _queue(self, name: str) -> PoolQueue:
-        q = self.queues.get(name)
+    def _queue(self, pool: Pool) -> PoolQueue:
+        """The pool's queue, following its settings (the pool's own, or the gateway's)."""
+        cfg = pool.spec.flow or self.config
+        q = self.queues.get(pool.name)
         if q is None:
-            q = self.queues[name] = PoolQueue(name, self.config.half_life_s)
+            q = self.queues[pool.name] = PoolQueue(pool.name, cfg)
+        elif q.config is not cfg:
+            q.config = cfg
+            q.counters.half_life_s = cfg.half_life_s
         return q
 
-    def _cost(self, prompt_tokens: int, est_output: int) -> float:
-        c = self.config
-        out = c.output_weight * est_output if self.output_at_dispatch else 0.0
-        return c.input_weight * max(1, prompt_tokens) + out
+    def _gate_of(self, q: PoolQueue) -> Gate:
+        return self._gate or self._parts_of(q.config)[0]
+
+    def _picker_of(self, q: PoolQueue) -> Picker:
+        return self._picker or self._parts_of(q.config)[1]
+
+    def _parts_of(self, cfg: FlowConfig) -> tuple[Gate, Picker]:
+        parts = self._parts.get(id(cfg))
+        if parts is None:
+            parts = self._parts[id(cfg)] = (Gate(cfg.hold_depth), make_picker(cfg))
+        return parts
+
+    def _cost(self, cfg: FlowConfig, prompt_tokens: int, est_output: int) -> float:
+        out = cfg.output_weight * est_output if self.output_at_dispatch else 0.0
+        return cfg.input_weight * max(1, prompt_tokens) + out
 
     @staticmethod
     def _any_ready(pool: Pool, only: Collection[str] | None) -> bool:

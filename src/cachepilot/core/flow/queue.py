@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from cachepilot.core.decision import Decision
 from cachepilot.core.fingerprint import Fingerprint
 from cachepilot.core.flow.classify import FlowMeta
+from cachepilot.core.flow.config import FlowConfig
 from cachepilot.core.flow.fair import Counters
 from cachepilot.core.request import InferenceRequest, RequestError
 
@@ -70,12 +71,13 @@ class PoolQueue:
 
     RATE_WINDOW_S = 5.0
 
-    def __init__(self, name: str, half_life_s: float) -> None:
+    def __init__(self, name: str, config: FlowConfig) -> None:
         self.name = name
+        self.config = config  # the pool's flow-control settings
         self.bands: dict[int, Band] = {}
         self.order: list[int] = []  # priorities with a band, highest first
         self.count = 0
-        self.counters = Counters(half_life_s)
+        self.counters = Counters(config.half_life_s)
         self.holding: set[Ticket] = set()  # held ones waiting for their prefix holder
         self._rate = 0.0  # dispatches per second (EWMA)
         self._rate_at = 0.0
