@@ -168,6 +168,48 @@ def _names(choices: list[str]) -> Callable[[click.Context, click.Parameter, str]
     return parse
 
 
+@experiment_group.command("flow")
+@click.option("--seeds", default="100-109", show_default=True,
+              help="Seeds as A-B or a comma list; the defaults were tuned on 0-9.")
+@click.option("--schemes", default=None,
+              help="Comma list (default: every scheme of cachepilot.sim.flow_study).")
+@click.option("--out", "out_dir", default="docs/results/flow", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--processes", default=None, type=click.IntRange(1),
+              help="Worker processes (default: ≤2).")
+def flow_cmd(seeds: str, schemes: str | None, out_dir: str, processes: int | None) -> None:
+    """Flow control under a flooding tenant: reject-at-limit, FCFS holding, VTC, llm-d's
+    flow control (default and LAS) and ours, paired by seed; report.md and results.json."""
+    from cachepilot.sim import flow_report, flow_study
+
+    chosen = tuple(schemes.split(",")) if schemes else tuple(flow_study.SCHEMES)
+    unknown = [s for s in chosen if s not in flow_study.SCHEMES]
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; known: {', '.join(flow_study.SCHEMES)}",
+                                 param_hint="--schemes")
+    seed_list = _seed_list(seeds)
+    t0 = time.perf_counter()
+    with _progress() as tick:
+        rows = flow_study.run_all(seed_list, chosen, processes, tick)
+    command = (f"cachepilot experiment flow --seeds {seeds}"
+               + (f" --schemes {schemes}" if schemes else "") + f" --out {out_dir}")
+    path = flow_report.write(Path(out_dir), rows, list(chosen), seed_list, command,
+                             time.perf_counter() - t0)
+    click.echo(f"wrote {path}", err=True)
+
+
+def _seed_list(text: str) -> tuple[int, ...]:
+    """``100-109`` or ``1,2,5`` → seeds (a usage error otherwise)."""
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-", 1))
+            return tuple(range(lo, hi + 1))
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected A-B or a comma list, not {text!r}",
+                                 param_hint="--seeds") from None
+
+
 @experiment_group.command("real-peers")
 @click.option("--workloads", default=",".join(STUDY_WORKLOADS), show_default=True,
               callback=_names(list(STUDY_WORKLOADS)), help="Comma-separated.")

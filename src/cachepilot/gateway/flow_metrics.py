@@ -13,7 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cachepilot.core.decision import Decision
 from cachepilot.core.flow.classify import FlowMeta
+from cachepilot.core.flow.config import DEFAULT_TENANT
 from cachepilot.core.flow.control import FlowControl, FlowError, FlowObserver
+from cachepilot.core.flow.info import DISPATCH_REASONS, SHED_REASONS
 from cachepilot.core.flow.queue import Ticket
 
 # Time held, from a few ms (a capacity event away) to the default 20 s time to live.
@@ -67,6 +69,7 @@ class FlowMetrics(FlowObserver):
         self.cancelled = Counter("cachepilot_flow_cancelled",
                                  "Held requests whose client left before dispatch",
                                  ["pool", "band"], registry=r)
+        self._seen: set[str] = set()  # pools whose counters start at zero
 
     # -- what flow control reports ----------------------------------------------------------
     def on_dispatched(self, d: Decision, now: float) -> None:
@@ -87,12 +90,22 @@ class FlowMetrics(FlowObserver):
     # -- exposition -------------------------------------------------------------------------
     def refresh(self, now: float) -> None:
         """Copy the queues' state into the gauges (before each exposition). Every pool has
-        its band 0 series, held or not, so a dashboard has a line at zero."""
+        its band 0 series, held or not, and every reason its counter from zero, so a
+        dashboard has a line at zero rather than no data (Prometheus' advice for known
+        label values)."""
         for g in (self.held, self.oldest, self.lag):
             g.clear()
         for pool in self.flow.router.pools:
+            self.held.labels(pool, "0", DEFAULT_TENANT).set(0)
             self.oldest.labels(pool, "0").set(0)
             self.lag.labels(pool, "0").set(0)
+            if pool not in self._seen:
+                self._seen.add(pool)
+                for reason in SHED_REASONS:
+                    self.refused.labels(pool, "0", reason)
+                for reason in DISPATCH_REASONS:
+                    self.dispatched.labels(pool, "0", reason)
+                self.cancelled.labels(pool, "0")
         for row in self.flow.snapshot(now):
             pool, band = row["pool"], str(row["priority"])
             for tenant, n in row["tenants"].items():
