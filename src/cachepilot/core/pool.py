@@ -157,7 +157,7 @@ class Pool:
             self.directory.add_worker(address)
         # The waiting requests beyond those this router had pending are someone else's.
         w.metrics = metrics = replace(metrics, router_pending=w.pending_requests,
-                                      router_inflight=w.inflight, router_assigned=w.assigned)
+                                      router_inflight=w.inflight)
         if metrics.waiting > 0:
             w.batch_cap_seen = max(w.batch_cap_seen, metrics.running)
         if metrics.num_blocks:

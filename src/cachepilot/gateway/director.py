@@ -91,6 +91,8 @@ class Exchange:
     status: int | None = None
     answered_by: str | None = None  # the worker that answered, as the proxy reports it
     model_output: bool = False  # a 2xx answer from the chosen worker
+    # From the decision (a request flow control held: from its dispatch, what the router
+    # predicted; the hold itself is in decision.flow.held_ms).
     first_byte_s: float | None = None
     first_token_s: float | None = None
     cached_tokens: int | None = None
@@ -267,7 +269,7 @@ class Director:
         self.router.responded(d, response)
         ex.model_output = response.model_output
         if ex.model_output:
-            ex.first_byte_s = now - ex.started
+            ex.first_byte_s = now - _routed_at(ex, d)
             if not ex.stream:  # a non-streamed answer arrives whole: headers = first token
                 self.router.first_token(d)
         if end_of_stream:
@@ -280,7 +282,7 @@ class Director:
         if d is None or ex.done:
             return
         if ex.first_token_s is None and data and ex.model_output:
-            ex.first_token_s = self.clock() - ex.started
+            ex.first_token_s = self.clock() - _routed_at(ex, d)
             # Streamed: a real first token, the policy and plugins learn from it.
             self.router.first_token(d, ex.first_token_s * 1000.0 if ex.stream else None)
         window = ex.tail + data
@@ -310,3 +312,8 @@ class Director:
             cached_tokens=ex.cached_tokens, completion_tokens=ex.completion_tokens,
             completed_at=self.clock(),
             answered_by=ex.answered_by, observed=self.options.observe_responses))
+
+
+def _routed_at(ex: Exchange, d: Decision) -> float:
+    """When the request was routed: its start, plus the time flow control held it."""
+    return ex.started + (d.flow.held_ms / 1000.0 if d.flow is not None else 0.0)

@@ -99,7 +99,10 @@ def mix(seed: int, tenants: tuple[Tenant, ...] = TENANTS) -> Workload:
 
 
 def _vtc_build(router: Router, config: FlowConfig) -> FlowControl:
-    return FlowControl(router, config, picker=FairPicker(config, shortest_first=False))
+    """The paper's rules: argmin counter, oldest first; lift to backlogged tenants only."""
+    flow = FlowControl(router, config, picker=FairPicker(config, shortest_first=False))
+    flow.lift_to_virtual = False
+    return flow
 
 
 SCHEMES: dict[str, SimFlow | None] = {

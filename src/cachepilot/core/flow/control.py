@@ -61,6 +61,9 @@ class FlowControl:
         # Dispatches an arrival may trigger when others are held (0: as many as can go;
         # a model of a scheduler that runs one dispatch cycle per arrival sets 1).
         self.arrival_limit = 0
+        # A tenant backlogged in an idle band starts at the band's virtual time (off: VTC's
+        # lift, to backlogged tenants only; cachepilot.core.flow.queue.PoolQueue).
+        self.lift_to_virtual = True
         self.plugin = FlowPlugin(self)
         self._seq = 0
 
@@ -168,7 +171,7 @@ class FlowControl:
         info = FlowInfo(meta.tenant, meta.priority, objective=meta.objective,
                         slo_ms=meta.slo_ms, slo_met=met, charged_tokens=cost,
                         estimated_output=est)
-        return self._book(pool, q, d, req, fp, info, now, started, cost)
+        return self._book(pool, q, d, req, fp, info, now, started, cost, direct=True)
 
     # -- dispatch -----------------------------------------------------------------------------
     def pump(self, now: float, limit: int = 0) -> int:
@@ -262,9 +265,16 @@ class FlowControl:
 
     def _book(self, pool: Pool, q: PoolQueue, d: Decision, req: InferenceRequest,
               fp: Fingerprint, info: FlowInfo, now: float, started: float | None,
-              cost: float) -> Decision:
+              cost: float, *, direct: bool = False) -> Decision:
+        """Route ``d`` and charge its tenant. A request routed at once (its tenant not
+        backlogged) first lifts its tenant's counter to the band's virtual time, as queueing
+        would have: a tenant served only at once otherwise keeps a counter from before it
+        competed, and then claims the difference from tenants that were served all along."""
         d.flow = info
         self.router.book(d, pool, fp, req, now, started)
+        if direct and q.lift_to_virtual:
+            q.counters.lift((info.priority, info.tenant), q.virtual(info.priority, now), now)
+        q.started(info.priority, info.tenant, now)
         q.counters.charge((info.priority, info.tenant), cost, now)
         q.note_dispatch(now)
         for o in self.observers:
@@ -368,6 +378,7 @@ class FlowControl:
         q = self.queues.get(pool.name)
         if q is None:
             q = self.queues[pool.name] = PoolQueue(pool.name, cfg)
+            q.lift_to_virtual = self.lift_to_virtual
         elif q.config is not cfg:
             q.config = cfg
             q.counters.half_life_s = cfg.half_life_s

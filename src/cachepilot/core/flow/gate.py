@@ -2,18 +2,18 @@
 
 A worker is *open* while the requests waiting at it beyond its batch stay under
 ``hold_depth`` (0: while its batch has a free place); *closed* at or above it; *unusable*
-when it is not ready or its metrics are missing or stale. Waiting counts the last scrape's
-occupancy corrected by what this gateway sent there and saw finish since, beyond the
-batch size when that is known (configured ``max_batch``, the engine's, a slot engine's
-slots, or the largest batch seen while requests waited). Until it is known, requests sent
-since the scrape are assumed to fit in the batch, so the gate can let one scrape interval's
-worth through before it sees a queue; a configured ``max_batch`` makes it tight from the
-first request.
+when it is not ready or its metrics are missing or stale. Waiting is the worker's occupancy
+(this gateway's requests there it has not seen finish, plus the others the last scrape
+saw) beyond the batch size when that is known (configured ``max_batch``, the engine's, a
+slot engine's slots, or the largest batch seen while requests waited). Until it is known,
+only the scraped queue counts, so the gate can let one scrape interval's worth through
+before it sees a queue; a configured ``max_batch`` makes it tight from the first request.
 
-Why tight (default 1: at most one request waits at a worker): a worker's own queue is first
-come, first served, so any request that waits there has already been ordered; only what the
-gateway still holds can be ordered by priority and fairness (llm-d's guide advises a
-queue-depth threshold of 1–5 "for maximum fairness/control").
+Why tight (default 0: a request goes only into a free place of a batch, when the batch
+size is known; 1 otherwise): a worker's own queue is first come, first served, so any
+request that waits there has already been ordered; only what the gateway still holds can be
+ordered by priority and fairness (llm-d's guide advises a queue-depth threshold of 1–5
+"for maximum fairness/control").
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ def queued(w: WorkerState, now: float, cost: CostModel) -> int | None:
     its batch has free places (as many as that); None when the worker is unusable (not
     ready, unobserved, stale).
 
-    The engine's occupancy now is the scrape's (waiting + running), plus the requests this
-    gateway sent there since, minus those of its requests that finished since: a scrape up
-    to an interval old would otherwise keep a worker closed after its batch freed places,
-    or open after a burst filled it. A scrape that saw requests waiting with the KV cache
-    past the cost model's threshold says the batch it saw running is as large as memory
-    allows, whatever its nominal size. Without a known batch size, free places are unknown:
-    the scraped queue alone, never negative."""
+    The engine's occupancy now is this gateway's own requests there that it has not seen
+    finish (live), plus the others the last scrape saw (someone else's: its occupancy
+    beyond what this gateway had in flight when the scrape was stored). A scrape up to an
+    interval old would otherwise keep a worker closed after its batch freed places, or
+    open after a burst filled it; a finish is counted when the gateway sees it, so a worker
+    closes a moment early rather than late. A scrape that saw requests waiting with the KV
+    cache past the cost model's threshold says the batch it saw running is as large as
+    memory allows, whatever its nominal size. Without a known batch size, free places are
+    unknown: the scraped queue alone, never negative."""
     m = w.metrics
     if not w.ready or m is None or now - m.scraped_at > cost.stale_after_s:
         return None
@@ -45,9 +47,8 @@ def queued(w: WorkerState, now: float, cost: CostModel) -> int | None:
         return m.waiting
     if m.waiting and (m.kv_usage or 0.0) >= cost.kv_threshold:
         cap = min(cap, m.running)  # KV memory binds before the batch size: this is the batch
-    sent = w.assigned - m.router_assigned
-    finished = max(0, m.router_inflight + sent - w.inflight)
-    return m.waiting + m.running + sent - finished - cap
+    foreign = max(0, m.waiting + m.running - m.router_inflight)
+    return foreign + w.inflight - cap
 
 
 class Gate:

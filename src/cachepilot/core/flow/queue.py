@@ -79,6 +79,12 @@ class PoolQueue:
         self.count = 0
         self.counters = Counters(config.half_life_s)
         self.holding: set[Ticket] = set()  # held ones waiting for their prefix holder
+        # Per band, the counter of the tenant dispatched last, as it started (the band's
+        # virtual time, as in start-time fair queueing): where a tenant that becomes
+        # backlogged in an otherwise idle band starts, so a newcomer cannot claim service
+        # for the time it was not there. Off: VTC's lift, to backlogged tenants only.
+        self.lift_to_virtual = True
+        self._virtual: dict[int, tuple[float, float]] = {}
         self._rate = 0.0  # dispatches per second (EWMA)
         self._rate_at = 0.0
 
@@ -98,13 +104,16 @@ class PoolQueue:
 
     def add(self, t: Ticket, now: float) -> None:
         """Queue ``t`` behind its tenant's other requests. A tenant that becomes backlogged
-        has its counter lifted to the least among those already backlogged (VTC)."""
+        has its counter lifted to the least among those already backlogged (VTC), or, with
+        none, to the band's virtual time."""
         b = self.band(t.meta.priority)
         q = b.tenants.get(t.meta.tenant)
         if q is None:
             if b.tenants:
                 floor = self.counters.least(((b.priority, x) for x in b.tenants), now)
                 self.counters.lift(t.key, floor, now)
+            elif self.lift_to_virtual:
+                self.counters.lift(t.key, self.virtual(b.priority, now), now)
             q = b.tenants[t.meta.tenant] = deque()
         t.position = self.ahead(t.meta.priority)
         q.append(t)
@@ -164,6 +173,20 @@ class PoolQueue:
             for q in b.tenants.values():
                 soonest = min(soonest, q[0].deadline)
         return soonest
+
+    def virtual(self, priority: int, now: float) -> float:
+        """The band's virtual time (decayed as the counters are)."""
+        v = self._virtual.get(priority)
+        if v is None:
+            return 0.0
+        value, at = v
+        h = self.counters.half_life_s
+        return value if h <= 0 or now <= at else value * math.exp2(-(now - at) / h)
+
+    def started(self, priority: int, tenant: str, now: float) -> None:
+        """A request of ``tenant`` is being dispatched: the band's virtual time is its
+        counter before the charge."""
+        self._virtual[priority] = (self.counters.value((priority, tenant), now), now)
 
     # -- dispatch rate (Retry-After) ------------------------------------------------------
     def rate(self, now: float) -> float:
