@@ -26,15 +26,16 @@ def req(text: str = "hello", doc: str = "", max_tokens: int = 16) -> InferenceRe
     return InferenceRequest(model="m", prompt=doc + text, max_tokens=max_tokens)
 
 
-def load(router: Router, now: float, waiting: dict[str, int] | int, running: int = 4) -> None:
-    """Scrape results: ``waiting`` per worker (or for all), every request this router's (so
-    what it sends from now on is what the scrape has not seen)."""
+def load(router: Router, now: float, waiting: dict[str, int] | int, running: int = 3) -> None:
+    """Scrape results: ``waiting`` per worker (or for all), every request this router's; a
+    batch of 4 with ``running`` in it (the default gate, depth 0, opens a worker with a free
+    place: one running request less than the batch and nothing waiting)."""
     pool = router.pools["default"]
     for w in WORKERS:
         n = waiting if isinstance(waiting, int) else waiting.get(w, 0)
         pool.workers[w].inflight = n + running
         pool.update_metrics(w, WorkerMetrics(waiting=n, running=running, kv_usage=0.1,
-                                             max_batch=running, scraped_at=now))
+                                             max_batch=4, scraped_at=now))
 
 
 def finish(router: Router, d: Decision) -> None:

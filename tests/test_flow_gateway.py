@@ -28,6 +28,7 @@ from conftest import WORKERS
 from extproc_msgs import body, headers, set_headers
 
 CHAT = "/v1/chat/completions"
+pytestmark = pytest.mark.timeout(30)
 
 
 def _raw(text: str = "hi") -> bytes:
@@ -51,11 +52,13 @@ def _box(**cfg: object) -> tuple[Box, Clock]:
 
 
 def _saturate(box: Box, now: float, open_: str | None = None) -> None:
+    """Every worker's batch of 4 full with one more waiting, but ``open_``'s: a free place."""
     pool = box.router.pools["default"]
     for w in WORKERS:
-        pool.workers[w].inflight = 5
-        pool.update_metrics(w, WorkerMetrics(waiting=0 if w == open_ else 1, running=4,
-                                             max_batch=4, kv_usage=0.1, scraped_at=now))
+        waiting, running = (0, 3) if w == open_ else (1, 4)
+        pool.workers[w].inflight = waiting + running
+        pool.update_metrics(w, WorkerMetrics(waiting=waiting, running=running, max_batch=4,
+                                             kv_usage=0.1, scraped_at=now))
 
 
 def _tenant(msg, tenant: str):  # type: ignore[no-untyped-def]

@@ -28,8 +28,8 @@ class FlowConfig:
 
     enabled: bool = True
     # -- the gate: a worker closes at this many requests waiting beyond its batch (0: once
-    # its batch is full, when its size is known).
-    hold_depth: int = 1
+    # its batch is full, when its size is known; else as 1).
+    hold_depth: int = 0
     # -- bounds, per band (priority): queued requests, and seconds a request may be held.
     # Envoy's request timeout (30 s in the generated config) must outlast the TTL.
     max_queued: int = 1000
@@ -44,7 +44,7 @@ class FlowConfig:
     half_life_s: float = 60.0  # counters decay (llm-d LAS's default); 0: never
     # How far locality may bend fairness: a tenant is eligible while its counter is within
     # this many weighted tokens of the least-served backlogged tenant's (0: strict VTC order).
-    bend_tokens: float = 8192.0
+    bend_tokens: float = 2048.0
     lookahead: int = 8  # requests fairness allows that locality chooses among
     locality_gain_ms: float = 10.0  # prefill ms a locality pick must save over the fair one
     # A request waits for the busy worker holding its prefix when the predictor says its
