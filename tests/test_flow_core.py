@@ -322,3 +322,21 @@ def test_parse_flow_settings() -> None:
     with pytest.raises(ValueError):
         FlowConfig(fairness="random")
     assert math.isinf(FlowControl(make_router()).next_deadline(0.0))
+
+
+def test_workers_past_the_admission_limit_refuse_at_once() -> None:
+    """Holding is for busy workers; engines with 128 waiting (someone else's flood, or
+    metrics that say so) get the admission limit's 429 at once, as without flow control."""
+    router, fc = flow()
+    load(router, 100.0, 200)
+    with pytest.raises(RequestError) as exc:
+        fc.admit(req(), FlowMeta("a"), 100.0)
+    assert exc.value.status == 429 and exc.value.code == "overloaded" and fc.held == 0
+
+
+def test_a_pool_with_flow_control_off_routes_as_before() -> None:
+    router = make_router(flow=FlowConfig(enabled=False))
+    _, fc = flow(router)
+    load(router, 100.0, 1)  # busy, not full: flow control would hold
+    d = fc.admit(req(), FlowMeta("a"), 100.0)
+    assert isinstance(d, Decision) and d.flow is None

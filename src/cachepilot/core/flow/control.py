@@ -146,15 +146,21 @@ class FlowControl:
             opened = [w for w in opened if w in only]
             closed = [w for w in closed if w in only]
         if not opened:
-            if closed or self._any_ready(pool, only):
+            limit = pool.spec.cost.admission_limit
+            # Every worker past the admission limit (someone else floods the engines, or the
+            # metrics say so): holding cannot help soon; the router answers 429 at once, as
+            # without flow control. Nothing ready: the router answers 503.
+            past_limit = bool(closed) and all(
+                (m := pool.workers[w].metrics) is not None and m.waiting >= limit
+                for w in closed)
+            if not past_limit and (closed or self._any_ready(pool, only)):
                 return (fi.POOL_FULL, None, 0.0, 0.0)
-            opened = []  # nothing ready: the router says so (503)
         excluded = dict.fromkeys(closed, CLOSED) if closed else None
         try:
             d = self.router.decide(pool, req.model, fp, now, self.router.next_id(), req,
                                    only=only, excluded=excluded)
         except RoutingError as err:
-            if err.status == 429:
+            if err.status == 429 and opened:  # open by the gate, yet full or stale
                 return (fi.POOL_FULL, None, 0.0, 0.0)
             self.router.reject(err, req, now)
             raise
