@@ -13,6 +13,7 @@ from cachepilot.core.flow.classify import FlowMeta, classify, header_names
 from cachepilot.core.flow.config import FlowConfig, parse_flow
 from cachepilot.core.flow.control import FlowControl, FlowError
 from cachepilot.core.flow.fair import Counters
+from cachepilot.core.flow.gate import Gate, batch_size, queued
 from cachepilot.core.flow.queue import CANCELLED, DISPATCHED, REFUSED, Ticket
 from cachepilot.core.request import RequestError
 
@@ -340,3 +341,16 @@ def test_a_pool_with_flow_control_off_routes_as_before() -> None:
     load(router, 100.0, 1)  # busy, not full: flow control would hold
     d = fc.admit(req(), FlowMeta("a"), 100.0)
     assert isinstance(d, Decision) and d.flow is None
+
+
+def test_without_a_batch_size_the_gate_reads_the_queue_less_what_finished() -> None:
+    router = make_router()  # nobody said the batch size
+    pool = router.pools["default"]
+    w, cost = pool.workers[WORKERS[0]], pool.spec.cost
+    w.inflight = 2
+    pool.update_metrics(WORKERS[0], WorkerMetrics(waiting=2, running=5, kv_usage=0.1,
+                                                  scraped_at=100.0))
+    assert queued(w, 100.0, cost) == 2 and WORKERS[0] in Gate(0).split(pool, 100.0)[1]
+    w.inflight = 1  # one of ours finished: the queue it was in (or ahead of) moved
+    assert queued(w, 100.1, cost) == 1 and WORKERS[0] in Gate(0).split(pool, 100.1)[0]
+    assert w.batch_cap_seen == 5 and batch_size(w, cost) == 0  # learned, never trusted

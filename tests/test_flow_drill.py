@@ -117,6 +117,11 @@ def test_a_flood_waits_then_is_refused_while_the_steady_tenant_is_served(
                           .status_code == 200 for i in ids[-5:]), what="the last records")
 
     by = {t: [r for r in both if r.tenant == t] for t in ("steady", "flood", "ops", "batch")}
+    print(f"drill: steady p99 alone {_p99(alone):.3f} s, with the flood "
+          f"{_p99(by['steady']):.3f} s; flood {dict(Counter(r.status for r in by['flood']))}, "
+          f"longest flood wait {max(r.seconds for r in by['flood']):.2f} s; ops "
+          f"{dict(Counter(r.status for r in by['ops']))}; batch "
+          f"{dict(Counter((r.status, r.reason) for r in by['batch']))}")
     assert all(r.status < 500 for r in alone + both), Counter(r.status for r in both)
     # The steady tenant: never refused, its p99 close to its p99 alone.
     assert all(r.status == 200 for r in alone + by["steady"])
