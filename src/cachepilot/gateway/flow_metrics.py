@@ -70,15 +70,25 @@ class FlowMetrics(FlowObserver):
                                  "Held requests whose client left before dispatch",
                                  ["pool", "band"], registry=r)
         self._seen: set[str] = set()  # pools whose counters start at zero
+        self._children: dict[tuple[str, int, str, str], tuple[object, object]] = {}
 
     # -- what flow control reports ----------------------------------------------------------
     def on_dispatched(self, d: Decision, now: float) -> None:
         f = d.flow
         if f is None:
             return
-        band = str(f.priority)
-        self.wait.labels(d.pool, band, self.tenant(f.tenant)).observe(f.held_ms / 1000.0)
-        self.dispatched.labels(d.pool, band, f.dispatch).inc()
+        # The children by their labels, cached: labels() costs more than the rest here.
+        key = (d.pool, f.priority, f.tenant, f.dispatch)
+        children = self._children.get(key)
+        if children is None:
+            band = str(f.priority)
+            children = self._children[key] = (
+                self.wait.labels(d.pool, band, self.tenant(f.tenant)),
+                self.dispatched.labels(d.pool, band, f.dispatch))
+            if len(self._children) > 10_000:  # many short-lived tenants: stay bounded
+                self._children.clear()
+        children[0].observe(f.held_ms / 1000.0)
+        children[1].inc()
 
     def on_refused(self, pool: str, meta: FlowMeta, err: FlowError, held_s: float,
                    now: float) -> None:

@@ -72,6 +72,9 @@ class SaturationGate(Gate):
                 total += max(m.waiting / QUEUE_DEPTH, (m.kv_usage or 0.0) / KV_THRESHOLD)
         return (ready, []) if total / len(ready) < 1.0 else ([], ready)
 
+    def is_open(self, pool: Pool, addr: str, now: float) -> bool:
+        return addr in self.split(pool, now)[0]
+
 
 class LasPicker(Picker, Plugin):
     """program-aware fairness, strategy ``las``; also the plugin that charges service."""

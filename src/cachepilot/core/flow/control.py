@@ -139,9 +139,18 @@ class FlowControl:
                  meta: FlowMeta, now: float, only: Collection[str] | None,
                  started: float | None, cost: float, est: int) -> Decision | _Hold:
         """Nothing is held in the pool: route at once if an open worker should take it,
-        else say why it waits."""
+        else say why it waits. The fast path, the router's own pick landing on an open
+        worker, checks that one worker alone: the cost of flow control when nothing waits."""
         cfg = q.config
-        opened, closed = self._gate_of(q).split(pool, now)
+        gate = self._gate_of(q)
+        try:
+            d = self.router.decide(pool, req.model, fp, now, self.router.next_id(), req,
+                                   only=only)
+        except RoutingError:
+            d = None  # the full path below says why, and reports it
+        if d is not None and gate.is_open(pool, d.chosen, now):
+            return self._direct(pool, q, d, req, fp, meta, now, only, None, started, cost, est)
+        opened, closed = gate.split(pool, now)
         if only is not None:
             opened = [w for w in opened if w in only]
             closed = [w for w in closed if w in only]
@@ -169,6 +178,13 @@ class FlowControl:
             wait_s = self._holder_wait_s(cfg, meta.priority, gain)
             if holder is not None and wait_s > 0:
                 return (fi.HOLDER_BUSY, holder, now + wait_s, gain)
+        return self._direct(pool, q, d, req, fp, meta, now, only, excluded, started, cost, est)
+
+    def _direct(self, pool: Pool, q: PoolQueue, d: Decision, req: InferenceRequest,
+                fp: Fingerprint, meta: FlowMeta, now: float, only: Collection[str] | None,
+                excluded: dict[str, str] | None, started: float | None, cost: float,
+                est: int) -> Decision:
+        """Route ``d`` at once (its TTFT target heeded), never held."""
         try:
             d, met = meet_slo(self.router, pool, d, req, fp, meta, now, only, excluded, 0.0)
         except Unmeetable:
@@ -278,10 +294,7 @@ class FlowControl:
         competed, and then claims the difference from tenants that were served all along."""
         d.flow = info
         self.router.book(d, pool, fp, req, now, started)
-        if direct and q.lift_to_virtual:
-            q.counters.lift((info.priority, info.tenant), q.virtual(info.priority, now), now)
-        q.started(info.priority, info.tenant, now)
-        q.counters.charge((info.priority, info.tenant), cost, now)
+        q.serve(info.priority, info.tenant, cost, now, lift=direct)
         q.note_dispatch(now)
         for o in self.observers:
             o.on_dispatched(d, now)
@@ -412,14 +425,15 @@ class FlowControl:
 
 
 def _holder_gain(d: Decision) -> tuple[str | None, float]:
-    """The closed worker with the best predicted TTFT for this request (its prefix holder,
-    typically), and how many ms sooner than on the chosen open worker the predictor says
-    its first token would come there, queue included: what waiting for it saves."""
+    """The closed worker the router would have picked (the best value, above the open
+    winner's: typically the busy holder of the request's prefix), and how many ms sooner
+    the predictor says its first token would come there, queue included, than on the open
+    winner: what waiting for it saves (None, 0: no closed worker beats the winner)."""
     best = None
     for c in d.candidates:
-        if c.filtered == CLOSED and (best is None or c.predicted_ttft_ms < best.predicted_ttft_ms):
+        if c.filtered == CLOSED and (best is None or c.value > best.value):
             best = c
-    if best is None:
+    if best is None or best.value <= d.winner.value:
         return None, 0.0
     return best.worker, d.winner.predicted_ttft_ms - best.predicted_ttft_ms
 

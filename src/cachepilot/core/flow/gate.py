@@ -63,23 +63,35 @@ def batch_size(w: WorkerState, cost: CostModel) -> int:
 
 class Gate:
     """Our gate (per worker, ``hold_depth``). Another scheduler's model (the simulator's
-    llm-d flow control) may subclass it: :meth:`split` is all flow control asks."""
+    llm-d flow control) may subclass it: :meth:`split` and :meth:`is_open` are all flow
+    control asks."""
 
     def __init__(self, hold_depth: int) -> None:
         self.hold_depth = hold_depth
 
     def split(self, pool: Pool, now: float) -> tuple[list[str], list[str]]:
         """(open, closed) workers of ``pool``; the rest are unusable."""
-        depth, cost = self.hold_depth, pool.spec.cost
+        cost = pool.spec.cost
         opened: list[str] = []
         closed: list[str] = []
         for addr, w in pool.workers.items():
             q = queued(w, now, cost)
             if q is None:
                 continue
-            # No known batch size: free places are unknown, and a scrape under load often
-            # catches a request or two between steps; a worker closes at 2 waiting then.
-            limit = depth if batch_size(w, cost) else max(depth, UNKNOWN_BATCH_DEPTH)
-            (opened if q < limit else closed).append(addr)
+            (opened if q < self._limit(w, cost) else closed).append(addr)
         return opened, closed
+
+    def is_open(self, pool: Pool, addr: str, now: float) -> bool:
+        """Whether one worker is open (the fast path asks only about the router's pick)."""
+        w = pool.workers.get(addr)
+        if w is None:
+            return False
+        q = queued(w, now, pool.spec.cost)
+        return q is not None and q < self._limit(w, pool.spec.cost)
+
+    def _limit(self, w: WorkerState, cost: CostModel) -> int:
+        # No known batch size: free places are unknown, and a scrape under load often
+        # catches a request or two between steps; a worker closes at 2 waiting then.
+        return (self.hold_depth if batch_size(w, cost)
+                else max(self.hold_depth, UNKNOWN_BATCH_DEPTH))
 

@@ -183,10 +183,14 @@ class PoolQueue:
         h = self.counters.half_life_s
         return value if h <= 0 or now <= at else value * math.exp2(-(now - at) / h)
 
-    def started(self, priority: int, tenant: str, now: float) -> None:
-        """A request of ``tenant`` is being dispatched: the band's virtual time is its
-        counter before the charge."""
-        self._virtual[priority] = (self.counters.value((priority, tenant), now), now)
+    def serve(self, priority: int, tenant: str, cost: float, now: float, *,
+              lift: bool = False) -> None:
+        """A request of ``tenant`` is dispatched: its tenant is charged ``cost`` (lifted to
+        the band's virtual time first, with ``lift``), and the band's virtual time becomes
+        its counter as the request started."""
+        floor = self.virtual(priority, now) if lift and self.lift_to_virtual else 0.0
+        start = self.counters.serve((priority, tenant), floor, cost, now)
+        self._virtual[priority] = (start, now)
 
     # -- dispatch rate (Retry-After) ------------------------------------------------------
     def rate(self, now: float) -> float:
