@@ -160,7 +160,9 @@ _ROWS: tuple[tuple[str, Any], ...] = (
     ("congestion ms", lambda c: _fmt_ms(c.get("congestion_ms", 0.0))),
     # Slot engines: the prefill later requests would redo for what this placement overwrites.
     ("eviction ms", lambda c: _fmt_ms(c.get("eviction_ms", 0.0))),
-    ("value", lambda c: f"{c['value']:.1f}" if c["eligible"] else "–"),
+    # Flow control's closed workers are valued too: what waiting for one would be worth.
+    ("value", lambda c: f"{c['value']:.1f}" if c["eligible"]
+     or c.get("filtered") in ("closed", "slo") else "–"),
 )
 
 
