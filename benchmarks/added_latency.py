@@ -14,7 +14,9 @@ one run, interleaved request by request (so machine noise lands on every path al
   round trips, the default until the body-only answer), ``streamed`` (today's, but the
   request body STREAMED), ``sync-observe`` (today's, but the response answered in turn),
   ``observe-late`` (the observing stream starts at the response headers),
-  ``no-observe`` (routing only), ``no-log`` (no decision log), ``uvloop`` (the gateway on
+  ``no-observe`` (routing only), ``no-log`` (no decision log), ``flow-off`` (flow control
+  off and no flow headers forwarded: as before issue 25), ``flow-no-headers`` (flow control
+  on, no flow headers forwarded: the gateway's share of its cost), ``uvloop`` (the gateway on
   uvloop's event loop), ``noop`` / ``noop-uvloop`` / ``noop-sync`` (Envoy + a no-op Python
   ext_proc server of its own: grpc.aio, grpc.aio on uvloop, grpcio's thread-pool server:
   what the mechanism costs before any routing; ``-headers`` / ``-streamed`` suffixes: with
@@ -264,7 +266,11 @@ def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
         "observe-late": ((), {"observe_request_headers": False}, {}),
         "streamed": ((), {"request_body_mode": "STREAMED"}, {}),
         "headers": ((), {"send_request_headers": True}, {}),
-        "before": ((), {"request_body_mode": "STREAMED", "observe_async": False}, {})}
+        "before": ((), {"request_body_mode": "STREAMED", "observe_async": False}, {}),
+        # Flow control off, and Envoy forwarding no flow headers: as before issue 25.
+        "flow-off": (("--flow-control", "off"), {"flow_headers": ()}, {}),
+        # Flow control on, but Envoy forwards no flow headers: the gateway's share of its cost.
+        "flow-no-headers": ((), {"flow_headers": ()}, {})}
     for name in ["cachepilot", *variants] if "cachepilot" in paths else variants:
         if name.startswith("noop"):
             nport = free_port()
@@ -366,7 +372,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0, help="open loop: requests/s per path")
     ap.add_argument("--paths", default="direct,envoy,sglang,vllm,cachepilot")
     ap.add_argument("--variants", default="",
-                    help="before,streamed,sync-observe,observe-late,no-observe,no-log,uvloop,"
+                    help="before,streamed,sync-observe,observe-late,no-observe,no-log,flow-off,flow-no-headers,"
+                         "uvloop,"
                          "noop,noop-streamed,noop-uvloop,noop-sync")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachepilot.core import Router
+from cachepilot.core.flow.config import FlowConfig
+from cachepilot.core.flow.control import FlowControl
 from cachepilot.core.lifecycle import Outcome, Plugin
 from cachepilot.gateway.director import Director, GatewayOptions
 from cachepilot.gateway.envoy_streams import EnvoyStreams, RoutingStream
@@ -35,11 +37,13 @@ class ListSink:
 
 class Box:
     """``box.handle(stream, msg)`` answers like the gateway; ``box.stream(...)`` opens a
-    routing stream with the settings Envoy's metadata would give it."""
+    routing stream with the settings Envoy's metadata would give it. With ``flow``, flow
+    control holds what no worker should take (``handle`` then returns a Pending)."""
 
     def __init__(self, router: Router | None = None, *, options: GatewayOptions | None = None,
                  clock: Callable[[], float] = lambda: 100.0, plugins: Sequence[Plugin] = (),
-                 learn: bool = False, capture_prompts: bool = False) -> None:
+                 learn: bool = False, capture_prompts: bool = False,
+                 flow: FlowConfig | None = None) -> None:
         self.router = router or make_router()
         self.sink = ListSink()
         self.stalls = StallTracker()
@@ -48,7 +52,10 @@ class Box:
                                  extra=(MetricsPlugin(self.metrics), self.stalls, *plugins))
         for p in life.plugins:
             self.router.add_plugin(p)
-        self.director = Director(self.router, options=options, clock=clock)
+        self.flow = None if flow is None else FlowControl(self.router, flow)
+        if self.flow is not None:
+            self.router.add_plugin(self.flow.plugin)
+        self.director = Director(self.router, options=options, clock=clock, flow=self.flow)
         self.streams = EnvoyStreams(self.director)
 
     @property

@@ -499,3 +499,28 @@ def test_processes_per_pod_get_envoy_config_for_them(chart: helm.Chart, tmp_path
     assert "--processes=2" not in containers(render(chart))["gateway"]["args"]
     assert "initContainers" not in render(chart)["Deployment/cp-cachepilot"]["spec"][
         "template"]["spec"]
+
+
+def test_flow_control_values_reach_the_gateway_and_the_role(chart: helm.Chart) -> None:
+    from cachepilot.core.flow.config import FlowConfig, parse_flow
+
+    args = containers(render(chart))["gateway"]["args"]
+    assert "--flow-control=on" in args
+    assert not any(a.startswith(("--flow=", "--inference-objectives")) for a in args)
+    values = {"flowControl": {"enabled": False, "settings": {"ttl_s": 10, "hold_depth": 2},
+                              "inferenceObjectives": {"enabled": True}}}
+    objs = render(chart, values)
+    args = containers(objs)["gateway"]["args"]
+    assert "--flow-control=off" in args
+    flow = next(a for a in args if a.startswith("--flow="))
+    assert FlowConfig(**parse_flow(flow.removeprefix("--flow="))) == FlowConfig(
+        ttl_s=10.0, hold_depth=2)
+    assert "--inference-objectives=inference.networking.x-k8s.io" in args
+    rules = objs["Role/cp-cachepilot"]["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    default = {(g, r, v) for rule in render(chart)["Role/cp-cachepilot"]["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted - default == {
+        ("inference.networking.x-k8s.io", "inferenceobjectives", "list"),
+        ("inference.networking.x-k8s.io", "inferenceobjectives", "watch")}

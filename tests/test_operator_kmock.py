@@ -169,8 +169,10 @@ class Operator:
     """One gateway replica's operator: its own router, running until stopped."""
 
     def __init__(self, cluster: Cluster, scrape: ScriptedScrape | None, identity: str,
-                 options: OperatorOptions = FAST) -> None:
+                 options: OperatorOptions = FAST,
+                 objectives: dict[str, int] | None = None) -> None:
         self.router = Router()
+        self.objectives = objectives
         self.stop, self.ready = asyncio.Event(), asyncio.Event()
         self.scraper = Scraper(self.router, scrape=scrape or scrape_once)
         self.task = asyncio.create_task(self._run(cluster, identity, options))
@@ -183,7 +185,8 @@ class Operator:
             await run_operator(self.router, namespace=NS, stop_flag=self.stop,
                                ready_flag=self.ready, identity=identity,
                                login=lambda: kopf.ConnectionInfo(server=cluster.url),
-                               scraper=self.scraper, options=options)
+                               scraper=self.scraper, options=options,
+                               objectives=self.objectives)
         finally:
             scraping.cancel()
             await asyncio.gather(scraping, return_exceptions=True)

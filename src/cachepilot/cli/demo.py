@@ -24,7 +24,10 @@ from cachepilot.tooling.demo import WORKER_KV_BLOCKS, WORKLOAD, run_demo
               show_default=True)
 @click.option("--decision-log", default=None,
               help="Record CachePilot's decisions here (explain/replay them later).")
-def demo_cmd(as_json: bool, duration: float, rate: float, decision_log: str | None) -> None:
+@click.option("--flow-control", type=click.Choice(["on", "off"]), default="on",
+              show_default=True, help="The gateways' flow control (as `cachepilot gateway`).")
+def demo_cmd(as_json: bool, duration: float, rate: float, decision_log: str | None,
+             flow_control: str) -> None:
     """Round robin vs CachePilot on the local stack (Envoy + gateway + 3 simulated workers)."""
     spec = WORKLOAD.with_(duration=duration, rate=rate)
     console = Console(stderr=True)
@@ -36,7 +39,8 @@ def demo_cmd(as_json: bool, duration: float, rate: float, decision_log: str | No
     with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=as_json) as progress:
         try:
-            out = run_demo(spec, progress, decision_log)
+            out = run_demo(spec, progress, decision_log,
+                           gateway_args=("--flow-control", flow_control))
         except (RuntimeError, TimeoutError, OSError) as exc:
             raise stack_failed(exc, None) from None
     if as_json:

@@ -197,6 +197,36 @@ def _progress(quiet: bool = False) -> Iterator[Callable[[int, int, str], None]]:
         yield tick
 
 
+@experiment_group.command("flow")
+@_seeds_option
+@click.option("--schemes", default=None,
+              help="Comma list (default: every scheme of cachepilot.lab.flow_study).")
+@click.option("--out", "out_dir", default="flow", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--processes", default=None, type=click.IntRange(1),
+              help="Worker processes (default: ≤2).")
+@click.pass_context
+def flow_cmd(ctx: click.Context, seeds: str, schemes: str | None, out_dir: str,
+             processes: int | None) -> None:
+    """Flow control under a flooding tenant: reject-at-limit, FCFS holding, VTC, llm-d's
+    flow control (default and LAS) and ours, paired by seed; write report.md, results.json
+    and a plot to OUT."""
+    from cachepilot.lab import flow_report, flow_study
+
+    chosen = tuple(schemes.split(",")) if schemes else tuple(flow_study.SCHEMES)
+    unknown = [s for s in chosen if s not in flow_study.SCHEMES]
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; known: {', '.join(flow_study.SCHEMES)}",
+                                 param_hint="--schemes")
+    seed_list = tuple(parse_seeds(seeds))
+    t0 = time.perf_counter()
+    with _progress() as tick:
+        rows = flow_study.run_all(seed_list, chosen, processes, tick)
+    path = flow_report.write(_output(ctx, out_dir), rows, list(chosen), seed_list,
+                             time.perf_counter() - t0)
+    click.echo(f"wrote {path}", err=True)
+
+
 @experiment_group.command("real-peers")
 @click.option("--workloads", cls=StudyOption, study_default=f"{_REAL_PEERS}:WORKLOADS",
               convert=_joined, callback=names(f"{_REAL_PEERS}:WORKLOADS"),

@@ -13,6 +13,7 @@ from cachepilot.cli.options import cost_option, policy_option, weights_option
 from cachepilot.core import cost as costs
 from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.fingerprint import BlockConfig, Tokenizer, load_tokenizer
+from cachepilot.core.flow.config import FlowConfig, parse_flow
 from cachepilot.core.router import Router, static_router
 from cachepilot.core.vllm_prompt import VllmPrompts
 from cachepilot.tooling.stack import PortInUseError, check_port_free
@@ -32,6 +33,14 @@ def parse_cost(text: str | None) -> CostModel:
         return CostModel().with_(**costs.parse_cost(text))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cost") from None
+
+
+def parse_flow_config(text: str | None, enabled: bool = True) -> FlowConfig:
+    """``--flow hold_depth=2,…`` → FlowConfig (a usage error names what was wrong)."""
+    try:
+        return FlowConfig(enabled=enabled, **parse_flow(text))
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--flow") from None
 
 
 def host_port(text: str, option: str) -> tuple[str, int]:
@@ -87,6 +96,12 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="With --kubernetes: also watch InferencePools (the CRD must be installed); "
                    "those whose endpointPickerRef names this Service become pools "
                    "(docs/gateway-api.md).")
+@click.option("--inference-objectives", "objectives_group", default=None, metavar="GROUP",
+              is_flag=False, flag_value="inference.networking.x-k8s.io",
+              help="With --kubernetes: watch InferenceObjectives (of this API group; the flag "
+                   "alone: inference.networking.x-k8s.io; the CRD must be installed): the "
+                   "x-gateway-inference-objective header selects the objective's priority "
+                   "band (docs/flow-control.md).")
 @click.option("--model", "models", multiple=True, help="Models this pool serves (default: any).")
 @click.option("--engine", default="vllm", show_default=True,
               type=click.Choice(["vllm", "sglang", "llamacpp", "sim"]))
@@ -163,6 +178,14 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 @click.option("--replica-subject", default="cachepilot.sync", show_default=True,
               help="NATS subject of this deployment's replicas (one per deployment sharing "
                    "a NATS server).")
+@click.option("--flow-control", type=click.Choice(["on", "off"]), default="on",
+              show_default=True,
+              help="Hold requests no worker should take now (by priority band, fairly across "
+                   "tenants) instead of answering 429 at the admission limit; off: the old "
+                   "behaviour (docs/flow-control.md).")
+@click.option("--flow", "flow_settings", default=None, metavar="NAME=VALUE,…",
+              help="Flow-control settings, e.g. hold_depth=2,ttl_s=20,bend_tokens=8192,"
+                   "tenant_header=x-team (docs/flow-control.md lists them).")
 @routing_options
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
@@ -177,7 +200,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 chat_template: str | None, chat_template_content_format: str,
                 lora_modules: tuple[str, ...], served_names: tuple[str, ...],
                 processes: int, llama_cache_ram: int, llama_prompt_mib: float,
-                llama_min_reuse: int, llama_ubatch: int) -> None:
+                llama_min_reuse: int, llama_ubatch: int, flow_control: str,
+                flow_settings: str | None, objectives_group: str | None) -> None:
     """Run the ext_proc gateway (Envoy calls it for every request)."""
     from cachepilot.datalayer.kv_events import port_endpoints
     from cachepilot.gateway.director import GatewayOptions
@@ -194,8 +218,12 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         raise click.UsageError("--workers and --kubernetes exclude each other")
     if epp_service is not None and not kubernetes:
         raise click.UsageError("--epp-service needs --kubernetes")
+    if objectives_group is not None and not kubernetes:
+        raise click.UsageError("--inference-objectives needs --kubernetes (without it, use "
+                               "the x-cachepilot-priority header)")
     if vllm_hash_seed is not None and not tokenizer:
         raise click.UsageError("--vllm-hash-seed needs --tokenizer (the workers' tokenizer.json)")
+    flow = parse_flow_config(flow_settings, flow_control == "on")
     listen_host, listen_port = host_port(listen, "--listen")
     slot = current_slot(processes)
     try:  # on loopback we can tell now; elsewhere the bind itself fails (a spare's ports
@@ -245,7 +273,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            stall_after_s=stall_after, replica_bus=replica_bus,
                            replica_id=replica_id, replica_subject=replica_subject,
                            kv_endpoints=kv_endpoints, process=slot,
-                           extra_listen=extra_listen,
+                           extra_listen=extra_listen, flow=flow,
                            options=GatewayOptions(max_body_bytes=max_body_bytes,
                                                   capture_prompts=capture_prompts,
                                                   observe_responses=observe_responses,
@@ -263,11 +291,12 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
         if kubernetes:
             from cachepilot.operator import OperatorOptions, run_operator
 
-            gateway.add_task(run_operator(router, namespace=namespace, stop_flag=asyncio.Event(),
-                                          options=OperatorOptions(lease_name=lease_name,
-                                                                  epp_service=epp_service),
-                                          kv_events=kv_sources,
-                                          scraper=gateway.scraper))
+            gateway.add_task(run_operator(
+                router, namespace=namespace, stop_flag=asyncio.Event(),
+                options=OperatorOptions(lease_name=lease_name, epp_service=epp_service,
+                                        objectives_group=objectives_group),
+                kv_events=kv_sources, scraper=gateway.scraper,
+                objectives=gateway.flow.objectives if gateway.flow is not None else None))
         await serve(gateway, ready)
 
     asyncio.run(main())

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cachepilot.core.request import InferenceRequest, RequestError
 from cachepilot.core.workers import WorkerSnapshot
+
+if TYPE_CHECKING:
+    from cachepilot.core.flow.info import FlowInfo
 
 
 class RoutingError(RequestError):
@@ -20,7 +24,10 @@ class Candidate:
     worker: str
     state: WorkerSnapshot  # what the worker looked like to this decision (replay rebuilds it)
     eligible: bool = True
-    filtered: str | None = None  # why not eligible: "not_ready", "stale", "full", "subset"
+    # Why not eligible: "not_ready", "stale", "full", "subset"; flow control's "closed" (the
+    # worker's queue is at the gate's depth) and "slo" (predicted to miss the request's TTFT
+    # target while another meets it).
+    filtered: str | None = None
     matched_blocks: int = 0
     matched_tokens: int = 0
     waiting: int = 0
@@ -87,6 +94,8 @@ class Decision:
     # Why this request fell back from the pool's exact (engine-hash) directory to the
     # approximate one (cachepilot.core.vllm_prompt); None: it did not.
     fallback: str | None = None
+    # Flow control's part: the request's tenant and band, how long it was held and why.
+    flow: FlowInfo | None = None
 
     @property
     def winner(self) -> Candidate:

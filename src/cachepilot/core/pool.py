@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from cachepilot.core.cost import CostModel, Weights
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig
+from cachepilot.core.flow.config import FlowConfig
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.vllm_prompt import VllmPrompts
 from cachepilot.core.workers import WorkerMetrics, WorkerSnapshot, WorkerState
@@ -36,6 +37,9 @@ class PoolSpec:
     # (-ub), near whose ends of a prompt the checkpoints fall.
     min_reuse_tokens: int = 0
     ubatch_tokens: int = 512
+    # Flow control's settings for this pool (a CachePilotPool's spec.flowControl); None: the
+    # gateway's (cachepilot.core.flow.config.FlowConfig).
+    flow: FlowConfig | None = None
 
 
 class Pool:
@@ -167,7 +171,8 @@ class Pool:
             w.engine_restarts += 1
             self.directory.restarted(address, metrics.process_start)
         # The waiting requests beyond those this router had pending are someone else's.
-        w.metrics = metrics = replace(metrics, router_pending=w.pending_requests)
+        w.metrics = metrics = replace(metrics, router_pending=w.pending_requests,
+                                      router_inflight=w.inflight)
         if metrics.waiting > 0:
             w.batch_cap_seen = max(w.batch_cap_seen, metrics.running)
         if metrics.num_blocks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from xxhash import xxh3_64_intdigest
@@ -115,13 +115,24 @@ class Router:
         request no pool serves, or no worker can take, raises :class:`RequestError`
         (:class:`RoutingError`), after the plugins heard of it (``on_rejected``)."""
         try:
-            pool = self.pool_for(req.model)
-            fp = self.fingerprint(req, pool)
+            pool, fp = self.prepare(req)
             decision = self.decide(pool, req.model, fp, now, decision_id or self.next_id(),
                                    req, only=only)
         except RequestError as err:  # no pool for the model, or no worker can take it
             self.reject(err, req, now)
             raise
+        return self.book(decision, pool, fp, req, now, started)
+
+    def prepare(self, req: InferenceRequest) -> tuple[Pool, Fingerprint]:
+        """The pool serving the request's model (RequestError 404 if none) and its
+        fingerprint."""
+        pool = self.pool_for(req.model)
+        return pool, self.fingerprint(req, pool)
+
+    def book(self, decision: Decision, pool: Pool, fp: Fingerprint, req: InferenceRequest,
+             now: float, started: float | None = None) -> Decision:
+        """Commit a decision of :meth:`decide`: its worker counts it in flight and holds its
+        prefix, the pool counts it, then the policy and the plugins hear of it."""
         decision.request = req
         worker = pool.workers[decision.chosen]
         worker.inflight += 1
@@ -133,6 +144,9 @@ class Router:
         self._prefilling.setdefault((pool.name, decision.chosen), []).append(decision)
         pool.directory.insert(decision.chosen, fp.hashes, learned_only=fp.fallback is not None)
         pool.note_arrival(now, decision.uncached_tokens)
+        pool.seq += 1
+        if self.spread is not None:
+            self.spread.picked(decision.chosen, now)
         if started is not None:
             decision.latency_s = time.perf_counter() - started
         pool.policy.on_routed(decision, pool)
@@ -149,9 +163,13 @@ class Router:
 
     def decide(self, pool: Pool, model: str, fp: Fingerprint, now: float,
                decision_id: str, req: InferenceRequest | None = None, *,
-               only: Collection[str] | None = None) -> Decision:
-        """Score every worker and pick one, changing nothing but the pool's decision counter.
-        The gateway and the simulator reach it through :meth:`route`; replay calls it on a
+               only: Collection[str] | None = None,
+               excluded: Mapping[str, str] | None = None) -> Decision:
+        """Score every worker and pick one, changing nothing (:meth:`book` commits it).
+        ``excluded``: workers the caller takes out of this pick, by the filter reason the
+        decision records for each (flow control's closed workers); they are still valued,
+        so the caller can see what waiting for one would be worth. The gateway and the
+        simulator reach it through :meth:`route` (or flow control); replay calls it on a
         pool rebuilt from the record (:mod:`cachepilot.records.replay`)."""
         spec = pool.spec
         cost = spec.cost
@@ -195,14 +213,17 @@ class Router:
                 c.eligible, c.filtered = False, "stale"
             elif load.waiting >= cost.admission_limit:
                 c.eligible, c.filtered = False, "full"
+            elif excluded is not None and addr in excluded:
+                c.eligible, c.filtered = False, excluded[addr]
             cands.append(c)
-        d = self._pick(pool, model, fp, now, decision_id, cands, req, only)
+        d = self._pick(pool, model, fp, now, decision_id, cands, req, only, excluded)
         d.arrival_rate, d.typical_uncached = rate, pool.typical_uncached
         return d
 
     def _pick(self, pool: Pool, model: str, fp: Fingerprint, now: float, decision_id: str,
               cands: list[Candidate], req: InferenceRequest | None,
-              only: Collection[str] | None) -> Decision:
+              only: Collection[str] | None,
+              excluded: Mapping[str, str] | None = None) -> Decision:
         eligible = [c for c in cands if c.eligible]
         if not eligible:
             raise _no_worker(pool, cands, only)
@@ -211,6 +232,12 @@ class Router:
         values = pool.policy.values(eligible, ctx)
         for c, v in zip(eligible, values, strict=True):
             c.value = v
+        if excluded:  # valued too: what waiting for one of them would be worth
+            parked = [c for c in cands if c.filtered is not None
+                      and excluded.get(c.worker) == c.filtered]
+            for c, v in zip(parked, pool.policy.values(parked, ctx) if parked else (),
+                            strict=True):
+                c.value = v
         tie_key = xxh3_64_intdigest(decision_id.encode())
         spread = self.spread
         note = None
@@ -220,9 +247,6 @@ class Router:
         else:
             i, margin = pick(values, pool.policy.tie_tolerance, tie_key)
         chosen = eligible[i]
-        pool.seq += 1
-        if spread is not None:
-            spread.picked(chosen.worker, now)
         reason = _reason(chosen, eligible, margin) if note is None else f"{note}; {_hit(chosen)}"
         return Decision(
             id=decision_id, time=now, pool=pool.name, model=model, policy=pool.policy.name,
@@ -334,7 +358,7 @@ def _no_worker(pool: Pool, cands: list[Candidate], only: Collection[str] | None
     within a subset: the proxy asked for those workers and cannot be sent elsewhere)."""
     considered = [c for c in cands if c.filtered != "subset"]
     subset = "" if only is None else " in the proxy's subset hint"
-    if not any(c.filtered in ("full", "stale") for c in considered):
+    if all(c.filtered in ("not_ready", None) for c in considered):
         down = [f"{c.worker}: {'; '.join(w.down.values())}" for c in considered
                 if (w := pool.workers.get(c.worker)) is not None and w.down]
         return RoutingError(503, f"pool {pool.name!r} has no ready worker{subset}"

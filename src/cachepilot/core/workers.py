@@ -37,6 +37,10 @@ class WorkerMetrics:
     # Requests this router had sent there without a first token when the scrape was stored
     # (set by Pool.update_metrics): the waiting requests beyond it are someone else's.
     router_pending: int = 0
+    # This router's requests in flight there when the scrape was stored (set by
+    # Pool.update_metrics): the occupancy beyond them is someone else's, and flow control's
+    # gate counts its own live instead of trusting a scrape up to an interval old.
+    router_inflight: int = 0
 
 
 @dataclass(frozen=True, slots=True)

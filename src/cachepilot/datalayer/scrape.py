@@ -92,6 +92,9 @@ class Scraper:
         self.clock = clock
         self.engines = adapters(scrape)
         self.scrapes: dict[str, int] = {}  # completed scrapes (good or failed) by worker
+        # Called after every stored scrape (the gateway's flow control: a worker may have
+        # room again, so held requests may go).
+        self.on_update: Callable[[], None] = lambda: None
         self._loops: dict[tuple[str, str], _Loop] = {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -136,6 +139,7 @@ class Scraper:
                 log.info("scrape of %s works again", w.address)
             pool.update_metrics(w.address, m)
         self.scrapes[w.address] = self.scrapes.get(w.address, 0) + 1
+        self.on_update()
 
     async def scrape_all(self) -> None:
         """Scrape every scraped worker once, concurrently (tests; the loops use scrape_worker)."""

@@ -12,13 +12,18 @@ time, and only the director moves it.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from cachepilot.core.decision import Decision
+from cachepilot.core.flow.classify import classify
+from cachepilot.core.flow.control import FlowControl
+from cachepilot.core.flow.queue import QUEUED, Ticket
 from cachepilot.core.lifecycle import FIRST_BYTE, FIRST_TOKEN, Outcome, Response
 from cachepilot.core.request import (
     InferenceRequest,
@@ -32,6 +37,9 @@ from cachepilot.core.router import Router
 
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _CACHE_N_RE = re.compile(rb'"cache_n"\s*:\s*(\d+)')  # llama.cpp /completion timings
+_COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PREDICTED_N_RE = re.compile(rb'"predicted_n"\s*:\s*(\d+)')  # llama.cpp timings
+R = TypeVar("R")
 _TAIL = 512  # bytes of the previous chunk kept so a split "cached_tokens" is still found
 
 
@@ -66,6 +74,7 @@ class Phase(enum.Enum):
     NEW = "new"  # nothing known but, maybe, its method and path
     PASSTHROUGH = "passthrough"  # not inference: sent to any ready worker, nothing to watch
     FAILED = "failed"  # answered by the gateway with an error; no worker involved
+    HELD = "held"  # flow control holds it: no worker yet (cachepilot.core.flow)
     ROUTED = "routed"  # a worker was chosen and booked; its response is awaited
     RESPONDING = "responding"  # the response's headers arrived
     DONE = "done"  # released: the lifecycle's end was reported
@@ -85,9 +94,12 @@ class Exchange:
     status: int | None = None
     answered_by: str | None = None  # the worker that answered, as the proxy reports it
     model_output: bool = False  # a 2xx answer from the chosen worker
+    # From the decision (a request flow control held: from its dispatch, what the router
+    # predicted; the hold itself is in decision.flow.held_ms).
     first_byte_s: float | None = None
     first_token_s: float | None = None
     cached_tokens: int | None = None
+    completion_tokens: int | None = None  # the worker's usage, when it reports it
     tail: bytes = b""  # the end of the last response chunk (a split "cached_tokens")
 
     @property
@@ -107,16 +119,40 @@ def too_large(limit: int) -> RequestError:
                         code="body_too_large")
 
 
+class Pending(Generic[R]):
+    """What an adapter answers once a held request leaves flow control's queue: ``then``
+    builds the answers from its decision, ``fail`` from its refusal. The servicer awaits
+    :meth:`answers`; a client that leaves meanwhile cancels the wait, which takes the
+    request out of the queue at once."""
+
+    def __init__(self, director: Director, ex: Exchange, ticket: Ticket,
+                 then: Callable[[Decision], list[R]],
+                 fail: Callable[[RequestError], list[R]]) -> None:
+        self.director, self.ex, self.ticket = director, ex, ticket
+        self.then, self.fail = then, fail
+
+    async def answers(self) -> list[R]:
+        try:
+            decision = await self.director.wait(self.ex, self.ticket)
+        except RequestError as err:
+            return self.fail(err)
+        return self.then(decision)
+
+
 class Director:
-    """Drives exchanges through the router's lifecycle, on the caller's clock."""
+    """Drives exchanges through the router's lifecycle, on the caller's clock. With ``flow``
+    (flow control), a request no worker should take now is held: :meth:`route` returns its
+    :class:`~cachepilot.core.flow.queue.Ticket` and :meth:`wait` waits for its decision."""
 
     def __init__(self, router: Router, *, options: GatewayOptions | None = None,
                  clock: Callable[[], float] = time.time,
-                 on_passthrough: Callable[[], None] = lambda: None) -> None:
+                 on_passthrough: Callable[[], None] = lambda: None,
+                 flow: FlowControl | None = None) -> None:
         self.router = router
         self.options = options or GatewayOptions()
         self.clock = clock
         self.on_passthrough = on_passthrough
+        self.flow = flow
         self._passthrough_seq = 0
 
     # -- request ------------------------------------------------------------------------------
@@ -142,12 +178,15 @@ class Director:
         return None
 
     def route(self, ex: Exchange, raw: bytes, *, only: Collection[str] | None = None,
-              unparseable_by_load: bool = False) -> Decision:
-        """Parse the whole body and route it. ``only``: the workers that may be picked (the
-        proxy's subset hint). ``unparseable_by_load``: a body that is not a JSON object is
-        routed by load alone (the engine answers it) instead of refused. Raises
-        RequestError (RoutingError included) with the status the client gets, already
-        reported to the lifecycle."""
+              unparseable_by_load: bool = False,
+              headers: Mapping[str, str] | None = None) -> Decision | Ticket:
+        """Parse the whole body and route it, or hold it (a Ticket: :meth:`wait` for its
+        decision) when flow control is on and no worker should take it now. ``only``: the
+        workers that may be picked (the proxy's subset hint). ``unparseable_by_load``: a
+        body that is not a JSON object is routed by load alone (the engine answers it)
+        instead of refused. ``headers``: the request headers flow control reads (tenant,
+        priority, TTFT target; lower-case names). Raises RequestError (RoutingError
+        included) with the status the client gets, already reported to the lifecycle."""
         started = time.perf_counter()
         try:
             req = parse_openai_body(ex.path, raw)
@@ -157,13 +196,47 @@ class Director:
             req = self._unparsed(raw)
         except RequestError as err:
             raise self.fail(ex, err) from None
+        ex.stream = req.stream
+        flow = self.flow
         try:
-            decision = self.router.route(req, self.clock(), only=only, started=started)
+            if flow is None:
+                out: Decision | Ticket = self.router.route(req, self.clock(), only=only,
+                                                           started=started)
+            else:
+                try:
+                    meta = classify(headers or {}, flow.config, flow.objectives)
+                except RequestError as err:
+                    raise self.fail(ex, err, req) from None
+                out = flow.admit(req, meta, self.clock(), only=only, started=started)
         except RequestError as err:  # routing errors: the router reported them
             ex.phase = Phase.FAILED
             raise err from None
-        ex.decision, ex.stream, ex.phase = decision, req.stream, Phase.ROUTED
-        return decision
+        if isinstance(out, Decision):
+            ex.decision, ex.phase = out, Phase.ROUTED
+        else:
+            ex.phase = Phase.HELD
+        return out
+
+    async def wait(self, ex: Exchange, ticket: Ticket) -> Decision:
+        """The decision of a held request, once flow control dispatches it; its refusal
+        raised (already reported). Cancelled (its client left): out of the queue at once."""
+        assert self.flow is not None
+        if ticket.state == QUEUED:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            ticket.on_done = lambda _: done.done() or done.set_result(None)
+        try:
+            if ticket.state == QUEUED:
+                await done
+        except asyncio.CancelledError:
+            self.flow.cancel(ticket, self.clock())
+            ex.phase = Phase.FAILED
+            raise
+        if ticket.decision is None:
+            ex.phase = Phase.FAILED
+            assert ticket.error is not None
+            raise ticket.error
+        ex.decision, ex.phase = ticket.decision, Phase.ROUTED
+        return ticket.decision
 
     def _unparsed(self, raw: bytes) -> InferenceRequest:
         """An unparseable body's request: the model it seems to name if a pool serves it,
@@ -217,7 +290,7 @@ class Director:
         self.router.responded(d, response)
         ex.model_output = response.model_output
         if ex.model_output:
-            ex.first_byte_s = now - ex.started
+            ex.first_byte_s = now - _routed_at(ex, d)
             if not ex.stream:  # a non-streamed answer arrives whole: headers = first token
                 self.router.first_token(d)
         if end_of_stream:
@@ -230,13 +303,17 @@ class Director:
         if d is None or ex.done:
             return
         if ex.first_token_s is None and data and ex.model_output:
-            ex.first_token_s = self.clock() - ex.started
+            ex.first_token_s = self.clock() - _routed_at(ex, d)
             # Streamed: a real first token, the policy and plugins learn from it.
             self.router.first_token(d, ex.first_token_s * 1000.0 if ex.stream else None)
         window = ex.tail + data
         found = _CACHED_RE.findall(window) or _CACHE_N_RE.findall(window)
         if found:
             ex.cached_tokens = int(found[-1])
+        if self.flow is not None:  # the real output, which corrects its tenant's charge
+            found = _COMPLETION_RE.findall(window) or _PREDICTED_N_RE.findall(window)
+            if found:
+                ex.completion_tokens = int(found[-1])
         ex.tail = window[-_TAIL:]
         if end_of_stream:
             self.finish(ex)
@@ -253,5 +330,11 @@ class Director:
             ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
             ttft_kind=FIRST_TOKEN if ex.stream else FIRST_BYTE,
             first_byte_ms=None if ex.first_byte_s is None else ex.first_byte_s * 1000.0,
-            cached_tokens=ex.cached_tokens, completed_at=self.clock(),
+            cached_tokens=ex.cached_tokens, completion_tokens=ex.completion_tokens,
+            completed_at=self.clock(),
             answered_by=ex.answered_by, observed=self.options.observe_responses))
+
+
+def _routed_at(ex: Exchange, d: Decision) -> float:
+    """When the request was routed: its start, plus the time flow control held it."""
+    return ex.started + (d.flow.held_ms / 1000.0 if d.flow is not None else 0.0)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from cachepilot.core.decision import Decision
+from cachepilot.core.flow.classify import header_names
+from cachepilot.core.flow.queue import Ticket
 from cachepilot.core.request import RequestError
-from cachepilot.gateway.director import Director, Exchange, GatewayOptions, Phase
+from cachepilot.gateway.director import Director, Exchange, GatewayOptions, Pending, Phase
 from cachepilot.gateway.protocol import (
     CHOSEN_KEY,
     DECISION_HEADER,
@@ -36,6 +39,7 @@ from cachepilot.gateway.protocol import (
     DESTINATION_HEADER,
     ERROR_HEADER,
     WORKER_HEADER,
+    attribute_headers,
     fallback_list,
     header_mutation,
     header_value,
@@ -43,11 +47,13 @@ from cachepilot.gateway.protocol import (
     lb_metadata,
     lb_value,
     request_line,
+    some_headers,
 )
 
 log = logging.getLogger("cachepilot.gateway")
 
 _CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+Answers = list[ep.ProcessingResponse] | Pending[ep.ProcessingResponse]
 
 
 @dataclass
@@ -61,6 +67,7 @@ class RoutingStream:
     sees_response: bool = False  # the response came on this stream
     body: bytearray = field(default_factory=bytearray)
     chunks: int = 0  # request body messages not yet answered
+    headers: dict[str, str] = field(default_factory=dict)  # what flow control reads
 
 
 class Handover:
@@ -108,16 +115,23 @@ class EnvoyStreams:
     def __init__(self, director: Director) -> None:
         self.director = director
         self.handover = Handover()
+        flow = director.flow
+        self.flow_headers = frozenset(header_names(flow.config)) if flow else frozenset()
 
     @property
     def options(self) -> GatewayOptions:
         return self.director.options
 
     # -- routing stream -----------------------------------------------------------------------
-    def handle(self, s: RoutingStream, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
-        """Answer one message from Envoy: zero or more responses, in the order Envoy expects."""
+    def handle(self, s: RoutingStream, msg: ep.ProcessingRequest) -> Answers:
+        """Answer one message from Envoy: zero or more responses, in the order Envoy expects,
+        or (a request flow control holds) a :class:`Pending` the servicer awaits."""
         kind = msg.WhichOneof("request")
+        if self.flow_headers and not s.headers and kind in ("request_headers", "request_body"):
+            s.headers = attribute_headers(msg)
         if kind == "request_headers":
+            if self.flow_headers:
+                s.headers.update(some_headers(msg.request_headers, self.flow_headers))
             return self._request_headers(s, msg.request_headers)
         if kind == "request_body":
             if s.body_only:
@@ -153,7 +167,7 @@ class EnvoyStreams:
             return [_CONTINUE_HEADERS]
         return []  # answered with the destination once the body is complete
 
-    def _whole_body(self, s: RoutingStream, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+    def _whole_body(self, s: RoutingStream, msg: ep.HttpBody) -> Answers:
         """Body-only routing: the stream's one message is the whole body of a POST to the
         path Envoy's route named. The answer routes through envoy.lb metadata; Envoy's buffer
         filter holds the headers until it comes, and clearing the route cache lets the route
@@ -173,18 +187,15 @@ class EnvoyStreams:
         if err is not None:
             return [immediate(err)]
         try:
-            decision = self._route(s, msg.body)
+            routed = self._route(s, msg.body)
         except RequestError as err:
             return [immediate(err)]
-        # Envoy applies no header mutation here (it sent no headers), but its default route
-        # cache action clears the cache only for an answer that has one: this one makes the
-        # route see the metadata (fail-open's picked route).
-        return [ep.ProcessingResponse(
-            request_body=ep.BodyResponse(response=_routed(decision)),
-            dynamic_metadata=lb_metadata(fallback_list(decision), **{
-                DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}))]
+        return self._answer(s, routed, _body_only_answer)
 
-    def _request_body(self, s: RoutingStream, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+    def _request_body(self, s: RoutingStream, msg: ep.HttpBody) -> Answers:
+        if s.ex.phase is Phase.HELD:  # a chunk re-delivered while held: answered with it
+            s.chunks += 1
+            return []
         if not s.ex.inference or s.ex.phase is not Phase.NEW:
             # Not inference; or the body already ended and was routed once: a chunk Envoy
             # re-delivers after the end (envoy #46237, GIE #2988) is answered like any
@@ -203,29 +214,37 @@ class EnvoyStreams:
             return []
         s.body = bytearray()
         try:
-            decision = self._route(s, raw)
+            routed = self._route(s, raw)
         except RequestError as err:
             return [immediate(err)]
-        common = _routed(decision)
-        metadata = lb_metadata(fallback_list(decision))
-        if s.buffered:  # the headers wait for the body's answer, which carries the routing
-            s.chunks = 0
-            return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
-                                          dynamic_metadata=metadata)]
-        out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
-                                     dynamic_metadata=metadata)]
-        out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * s.chunks
-        s.chunks = 0
-        return out
+        return self._answer(s, routed, _routed_body_answers)
 
-    def _route(self, s: RoutingStream, raw: bytes) -> Decision:
-        decision = self.director.route(s.ex, raw, unparseable_by_load=True)
+    def _route(self, s: RoutingStream, raw: bytes) -> Decision | Ticket:
+        routed = self.director.route(s.ex, raw, unparseable_by_load=True, headers=s.headers)
+        if isinstance(routed, Decision):
+            self._routed(s, routed)
+        return routed
+
+    def _routed(self, s: RoutingStream, decision: Decision) -> None:
+        """A routed exchange: its observing stream will take it over."""
         opts = self.options
         if s.observe == "async" or (not s.observe and opts.observe_responses
                                     and opts.observe_async):
             self.handover.expect(decision, s.ex)
             self.sweep(s.ex.started)  # also here: the stall watch may be off
-        return decision
+
+    def _answer(self, s: RoutingStream, routed: Decision | Ticket,
+                build: Callable[[RoutingStream, Decision], list[ep.ProcessingResponse]]
+                ) -> Answers:
+        """The routing answer now, or once the held request is dispatched."""
+        if isinstance(routed, Decision):
+            return build(s, routed)
+
+        def then(decision: Decision) -> list[ep.ProcessingResponse]:
+            self._routed(s, decision)
+            return build(s, decision)
+
+        return Pending(self.director, s.ex, routed, then, lambda err: [immediate(err)])
 
     def routing_ended(self, s: RoutingStream) -> None:
         """A routing stream closed. A routed exchange waits for its observing stream (which
@@ -299,6 +318,32 @@ class EnvoyStreams:
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
         return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
             header_mutation=header_mutation({DECISION_HEADER: d.id}))))
+
+
+def _body_only_answer(s: RoutingStream, decision: Decision) -> list[ep.ProcessingResponse]:
+    """Envoy applies no header mutation here (it sent no headers), but its default route
+    cache action clears the cache only for an answer that has one: this one makes the route
+    see the metadata (fail-open's picked route)."""
+    return [ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=_routed(decision)),
+        dynamic_metadata=lb_metadata(fallback_list(decision), **{
+            DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}))]
+
+
+def _routed_body_answers(s: RoutingStream, decision: Decision) -> list[ep.ProcessingResponse]:
+    """The answers to a routed body: its own (BUFFERED: it carries the routing), or the
+    headers' (carrying the routing) and one per body chunk (STREAMED)."""
+    common = _routed(decision)
+    metadata = lb_metadata(fallback_list(decision))
+    if s.buffered:  # the headers wait for the body's answer, which carries the routing
+        s.chunks = 0
+        return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
+                                      dynamic_metadata=metadata)]
+    out = [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
+                                 dynamic_metadata=metadata)]
+    out += [ep.ProcessingResponse(request_body=ep.BodyResponse())] * s.chunks
+    s.chunks = 0
+    return out
 
 
 def _routed(d: Decision) -> ep.CommonResponse:

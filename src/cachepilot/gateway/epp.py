@@ -32,8 +32,10 @@ from collections.abc import Collection
 import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from cachepilot.core.decision import Decision
+from cachepilot.core.flow.classify import header_names
 from cachepilot.core.request import RequestError
-from cachepilot.gateway.director import Director, Exchange
+from cachepilot.gateway.director import Director, Exchange, Pending
 from cachepilot.gateway.protocol import (
     DECISION_HEADER,
     DESTINATION_HEADER,
@@ -50,8 +52,11 @@ from cachepilot.gateway.protocol import (
     immediate,
     lb_metadata,
     request_line,
+    some_headers,
     streamed_body,
 )
+
+Answers = list[ep.ProcessingResponse] | Pending[ep.ProcessingResponse]
 
 
 def subset_hint(msg: ep.ProcessingRequest) -> frozenset[str] | None:
@@ -126,9 +131,14 @@ class EppStream:
         self.body = bytearray()
         self.response_held = bytearray()  # a non-streamed answer that needs rewriting
         self.served: str | None = None
+        flow = director.flow
+        self.flow_headers = frozenset(header_names(flow.config)) if flow else frozenset()
+        self.headers: dict[str, str] = {}  # what flow control reads
 
     # -- dispatch -----------------------------------------------------------------------------
-    def handle(self, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+    def handle(self, msg: ep.ProcessingRequest) -> Answers:
+        """The answers to one message, in order; a :class:`Pending` (the servicer awaits
+        it) when flow control holds the request."""
         if self.failed:
             return []
         kind = msg.WhichOneof("request")
@@ -139,9 +149,12 @@ class EppStream:
                 return self._request_body(msg.request_body.body, msg.request_body.end_of_stream)
             if kind == "request_trailers":  # the body ended without end_of_stream
                 out = [] if self.routed else self._request_body(b"", False, last=True)
+                trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                if isinstance(out, Pending):
+                    return self._after(out, [trailers])
                 if self.failed:
                     return out
-                return [*out, ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+                return [*out, trailers]
             if kind == "response_headers":
                 return self._response_headers(msg)
             if kind == "response_body":
@@ -167,6 +180,8 @@ class EppStream:
     # -- request ------------------------------------------------------------------------------
     def _request_headers(self, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         hm = msg.request_headers
+        if self.flow_headers:
+            self.headers = some_headers(hm, self.flow_headers)
         for h in hm.headers.headers:
             key = h.key.lower()
             if key == REQUEST_ID_HEADER:
@@ -210,9 +225,8 @@ class EppStream:
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
                                      dynamic_metadata=lb_metadata(target))
 
-    def _request_body(self, data: bytes, eos: bool, *, last: bool = False
-                      ) -> list[ep.ProcessingResponse]:
-        if self.request_ended:
+    def _request_body(self, data: bytes, eos: bool, *, last: bool = False) -> Answers:
+        if self.request_ended:  # a duplicate end-of-stream's body (GIE #2988): ignored
             return []
         self.request_ended = eos
         if self.routed:  # not inference: hand each chunk straight back
@@ -225,12 +239,26 @@ class EppStream:
             return []
         raw = self._rewritten(bytes(self.body))
         self.body = bytearray()
-        decision = self.d.route(self.ex, raw, only=self._only())
+        routed = self.d.route(self.ex, raw, only=self._only(), headers=self.headers)
         self.routed = True
-        # The body may have changed (model rewrite): the worker must get the right length.
-        resp = self._headers_response(decision.chosen, {DECISION_HEADER: decision.id,
-                                                        "content-length": str(len(raw))})
-        return [resp, *streamed_body(raw, eos, response=False)]
+
+        def answers(decision: Decision) -> list[ep.ProcessingResponse]:
+            # The body may have changed (model rewrite): the worker must get the right length.
+            resp = self._headers_response(decision.chosen, {DECISION_HEADER: decision.id,
+                                                            "content-length": str(len(raw))})
+            return [resp, *streamed_body(raw, eos, response=False)]
+
+        if isinstance(routed, Decision):
+            return answers(routed)
+        return Pending(self.d, self.ex, routed, answers, lambda err: [self._fail(err)])
+
+    @staticmethod
+    def _after(pending: Pending[ep.ProcessingResponse], more: list[ep.ProcessingResponse]
+               ) -> Pending[ep.ProcessingResponse]:
+        """``pending``'s answers, then ``more`` unless it failed."""
+        then = pending.then
+        pending.then = lambda d: [*then(d), *more]
+        return pending
 
     def _rewritten(self, raw: bytes) -> bytes:
         """The body with ``model`` set to the rewrite header's value (the reference's

@@ -4,7 +4,7 @@ Extension's endpoint picker protocol (:mod:`cachepilot.gateway.epp`; docs/epp.md
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -12,6 +12,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from cachepilot.core.decision import Decision
+from cachepilot.core.flow.info import SHED_HEADER
+from cachepilot.core.flow.refusal import FlowError
 from cachepilot.core.request import RequestError
 
 # -- the endpoint picker protocol (docs/proposals/004-endpoint-picker-protocol) -------------
@@ -83,6 +85,35 @@ def header_value(h: base_pb2.HeaderValue) -> str:
     return h.raw_value.decode("latin-1") if h.raw_value else h.value
 
 
+# Where Envoy puts the request attributes it was asked to forward (ext_proc's
+# request_attributes): the routing stream's first message carries them, a body-only one too.
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+_HEADER_ATTR = "request.headers['"
+
+
+def header_attribute(name: str) -> str:
+    """The CEL attribute that forwards request header ``name`` (lower case)."""
+    return f"{_HEADER_ATTR}{name}']"
+
+
+def attribute_headers(msg: ep.ProcessingRequest) -> dict[str, str]:
+    """The request headers Envoy forwarded as attributes (absent headers are not sent)."""
+    attrs = msg.attributes.get(ATTRIBUTES_KEY)
+    if attrs is None:
+        return {}
+    out = {}
+    for key, value in attrs.fields.items():
+        if key.startswith(_HEADER_ATTR) and value.WhichOneof("kind") == "string_value":
+            out[key[len(_HEADER_ATTR):-2]] = value.string_value
+    return out
+
+
+def some_headers(msg: ep.HttpHeaders, names: Collection[str]) -> dict[str, str]:
+    """The headers of a headers message whose (lower-case) names are in ``names``."""
+    return {k: header_value(h) for h in msg.headers.headers
+            if (k := h.key.lower()) in names}
+
+
 def request_line(msg: ep.HttpHeaders) -> tuple[str, str, str | None]:
     """(method, path, content-length or None) of a request's headers message."""
     method = path = ""
@@ -121,10 +152,13 @@ def lb_value(msg: ep.ProcessingRequest, key: str) -> str | None:
 
 
 def immediate(err: RequestError) -> ep.ProcessingResponse:
-    """A JSON error straight back to the client; Envoy never contacts a worker."""
+    """A JSON error straight back to the client; Envoy never contacts a worker. A refusal
+    by flow control says why in x-cachepilot-shed-reason."""
     hdrs = {"content-type": "application/json"}
     if err.retry_after_s is not None:
         hdrs["retry-after"] = str(int(err.retry_after_s))
+    if isinstance(err, FlowError):
+        hdrs[SHED_HEADER] = err.reason
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=err.status), headers=header_mutation(hdrs),
         body=err.to_json(), details=f"cachepilot_{err.code}"))

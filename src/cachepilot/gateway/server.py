@@ -4,13 +4,14 @@ the scraper, all on one asyncio loop around one Router (which is not thread-safe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -20,10 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cachepilot.core.flow.config import FlowConfig
+from cachepilot.core.flow.control import FlowControl
 from cachepilot.core.router import Router
 from cachepilot.datalayer.kv_events import EndpointsFor, KVEventHub, follow_pools
 from cachepilot.datalayer.scrape import Scraper, StaticTargets
 from cachepilot.gateway.director import Director, GatewayOptions
+from cachepilot.gateway.flow_metrics import FlowMetrics
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
 from cachepilot.gateway.local_peers import LocalPeers
 from cachepilot.gateway.plugins import MetricsPlugin, StallTracker
@@ -37,6 +41,9 @@ from cachepilot.records.plugins import DecisionSink, lifecycle_plugins
 log = logging.getLogger("cachepilot.gateway")
 
 EPP_HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+# While requests are held, the pump also runs this often: a safety net for capacity that
+# frees without an event (a worker made ready by the operator, a stall cleared).
+FLOW_POLL_S = 0.05
 
 
 @dataclass
@@ -66,6 +73,9 @@ class GatewayConfig:
     # vLLM KV-cache events (cachepilot.datalayer.kv_events): where each worker publishes them
     # (None: no subscriptions; the directory stays routing-learned).
     kv_endpoints: EndpointsFor | None = None
+    # Flow control (cachepilot.core.flow): hold, prioritise and share fairly instead of
+    # answering 429 at the admission limit. enabled=False restores the old behaviour.
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
 
 class Gateway:
@@ -102,12 +112,22 @@ class Gateway:
         elif life.sync is not None:
             assert slot is not None
             self.bus = LocalPeers(router, life.sync, slot.group, slot.index, slot.count)
+        self.flow: FlowControl | None = None
+        self.flow_metrics: FlowMetrics | None = None
+        self._flow_wake = asyncio.Event()
+        if self.config.flow.enabled:
+            self.flow = FlowControl(router, self.config.flow)
+            self.flow_metrics = FlowMetrics(self.metrics.registry, self.flow)
+            self.flow.observers.append(self.flow_metrics)
+            self.flow.kick = self._kick
+            router.add_plugin(self.flow.plugin)
         self.director = Director(router, options=options,
-                                 on_passthrough=self.metrics.passthrough.inc)
+                                 on_passthrough=self.metrics.passthrough.inc, flow=self.flow)
         self.servicer = ExtProcServicer(self.director)
         # The one scrape loop; the operator, if any, binds its pools' settings to it.
         self.scraper = Scraper(router, StaticTargets(self.config.scrape_interval_s,
                                                      self.config.scrape_timeout_s))
+        self.scraper.on_update = self._kick
         self.kv_events = KVEventHub()
         self.health = health.aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
@@ -130,6 +150,8 @@ class Gateway:
         await server.start()
         self._grpc = server
         self._tasks.append(asyncio.create_task(self.scraper.run()))
+        if self.flow is not None:
+            self._tasks.append(asyncio.create_task(self._flow_loop()))
         if self.config.stall_after_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_stalls()))
         if self.bus is not None:
@@ -179,6 +201,34 @@ class Gateway:
         if self.recorder is not None:
             self.recorder.close()
 
+    def _kick(self) -> None:
+        """Capacity may have freed (a first token, a finish, a scrape): pump soon, if
+        anything is held (nothing to do otherwise, and this runs for every request)."""
+        if self.flow is not None and self.flow.held:
+            self._flow_wake.set()
+
+    async def _flow_loop(self) -> None:
+        """Dispatch held requests when capacity frees, and refuse those whose time runs out:
+        one task, so the router is only ever driven from the event loop's thread."""
+        flow = self.flow
+        assert flow is not None
+        wake = self._flow_wake
+        while True:
+            if flow.held:
+                now = time.time()
+                timeout = min(FLOW_POLL_S, max(0.0, flow.next_deadline(now) - now))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await wake.wait()
+            else:
+                await wake.wait()
+            wake.clear()
+            if flow.held:
+                try:
+                    flow.pump(time.time())
+                except Exception:  # a bug must not stop dispatching for good
+                    log.exception("flow control: pump failed")
+
     async def _watch_stalls(self) -> None:
         """Price out a hung worker as its requests age: down while its requests wait without
         a first byte, back once they have ended (Envoy's first-byte timeout) or it answers.
@@ -218,6 +268,7 @@ class Gateway:
         app.router.add_get("/decisions/{id}", self._decision)
         app.router.add_get("/predictor", self._predictor)
         app.router.add_get("/replicas", self._replicas)
+        app.router.add_get("/flow", self._flow)
         return app
 
     async def _healthz(self, _: web.Request) -> web.Response:
@@ -231,6 +282,8 @@ class Gateway:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         self.metrics.refresh_workers(self.router, self.kv_events.status())
+        if self.flow_metrics is not None:
+            self.flow_metrics.refresh(time.time())
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -277,6 +330,16 @@ class Gateway:
             return web.json_response({"error": "learning is off (--no-calibrate)"}, status=404)
         return web.json_response({"workers": self.predictor.estimates(),
                                   "accuracy": self.predictor.accuracy()})
+
+    async def _flow(self, _: web.Request) -> web.Response:
+        """Flow control's settings and what it holds now, by pool and band."""
+        if self.flow is None:
+            return web.json_response({"error": "flow control is off (--flow-control off)"},
+                                     status=404)
+        return web.json_response({"config": self.flow.config.to_dict(),
+                                  "held": self.flow.held,
+                                  "objectives": self.flow.objectives,
+                                  "bands": self.flow.snapshot(time.time())})
 
     async def _replicas(self, _: web.Request) -> web.Response:
         """This replica's exchange with the others (bus, bookings, counters)."""

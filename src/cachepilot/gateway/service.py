@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from cachepilot.core.request import RequestError
-from cachepilot.gateway.director import Director, Exchange
+from cachepilot.gateway.director import Director, Exchange, Pending
 from cachepilot.gateway.envoy_streams import EnvoyStreams, RoutingStream
 from cachepilot.gateway.epp import EppStream
 from cachepilot.gateway.protocol import (
@@ -95,7 +95,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         try:
             async for msg in request_iterator:
                 try:
-                    for resp in self.streams.handle(s, msg):
+                    out = self.streams.handle(s, msg)
+                    if isinstance(out, Pending):  # held by flow control: the stream waits
+                        out = await out.answers()
+                    for resp in out:
                         yield resp
                 except RequestError as err:
                     yield immediate(self.director.fail(s.ex, err))
@@ -114,6 +117,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 try:
                     out = stream.handle(msg)
+                    if isinstance(out, Pending):  # held by flow control: the stream waits
+                        out = await out.answers()
                 except Exception:
                     log.exception("ext_proc (EPP) message failed")
                     stream.failed = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from cachepilot.core import Router
@@ -27,6 +27,7 @@ from cachepilot.operator import resync as relist
 from cachepilot.operator.events import EventPoster
 from cachepilot.operator.kube import KubeClient
 from cachepilot.operator.kv_sources import KVEventSources
+from cachepilot.operator.objectives import Objectives
 from cachepilot.operator.options import OperatorOptions
 from cachepilot.operator.reconcile import Reconciler
 from cachepilot.operator.scrape_sources import ScrapeSources
@@ -45,7 +46,8 @@ class Controller:
                  client: KubeClient | None, identity: str, options: OperatorOptions,
                  clock: Callable[[], float] = time.time,
                  wall: Callable[[], float] = time.time,
-                 kv_events: KVEventSources | None = None) -> None:
+                 kv_events: KVEventSources | None = None,
+                 objectives: MutableMapping[str, int] | None = None) -> None:
         self.router = router
         self.namespace = namespace
         self.client = client
@@ -70,6 +72,8 @@ class Controller:
         # The gateway's KV-event hub asks this where each worker publishes (kv_sources.py).
         self.kv_events = kv_events or KVEventSources()
         self.kv_events.bind(self.reconciler.pools)
+        # InferenceObjective name → priority, for the gateway's flow control (objectives.py).
+        self.objectives = Objectives(objectives if objectives is not None else {})
         self.status = StatusWriter(client, namespace=namespace, identity=identity,
                                    options=options, pools=self.reconciler.pools,
                                    events=self.events, leading=leading, clock=clock, wall=wall)
@@ -100,6 +104,10 @@ class Controller:
     async def on_inference_pool_event(self, event_type: str | None,
                                       body: Mapping[str, Any]) -> None:
         await self.reconciler.on_inference_pool_event(event_type, body)
+
+    async def on_objective_event(self, event_type: str | None,
+                                 body: Mapping[str, Any]) -> None:
+        await self.objectives.on_event(event_type, body)
 
     async def resync(self) -> None:
         """List pools and pods and forget what the watches missed being deleted."""

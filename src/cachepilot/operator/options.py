@@ -33,3 +33,7 @@ class OperatorOptions:
     # whose endpointPickerRef names this Service becomes a pool, and CachePilotPools may
     # reference any of them (spec.inferencePoolRef). None: InferencePools are not watched.
     epp_service: str | None = None
+    # Watch InferenceObjectives of this API group (the CRD must be installed): a request's
+    # x-gateway-inference-objective header selects the priority band of the objective it
+    # names (cachepilot.operator.objectives). None: not watched.
+    objectives_group: str | None = None

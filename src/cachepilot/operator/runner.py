@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import kopf
@@ -37,6 +37,7 @@ from cachepilot.core import Router
 from cachepilot.datalayer.scrape import Scraper
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
+from cachepilot.operator import objectives as obj
 from cachepilot.operator.aio import wait_stopped
 from cachepilot.operator.controller import Controller, OperatorOptions
 from cachepilot.operator.kube import KubeClient
@@ -95,6 +96,13 @@ def build_registry(controller: Controller, login: Callable[[], kopf.ConnectionIn
     async def _pod(type: str | None, body: kopf.Body, **_: Any) -> None:
         await forward(controller.on_pod_event, type, body)
 
+    if controller.options.objectives_group is not None:
+        # Only when asked: without the InferenceObjective CRD the watch would fail forever.
+        @kopf.on.event(controller.options.objectives_group, obj.VERSION, obj.PLURAL,
+                       registry=registry)
+        async def _objective(type: str | None, body: kopf.Body, **_: Any) -> None:
+            await forward(controller.on_objective_event, type, body)
+
     if controller.options.epp_service is not None:
         # Only when asked: without the InferencePool CRD the watch would fail forever.
         @kopf.on.event(ip.GROUP, ip.VERSION, ip.PLURAL, registry=registry)
@@ -142,7 +150,8 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
                        scraper: Scraper | None = None,
                        clock: Callable[[], float] = time.time,
                        options: OperatorOptions | None = None,
-                       kv_events: KVEventSources | None = None) -> None:
+                       kv_events: KVEventSources | None = None,
+                       objectives: MutableMapping[str, int] | None = None) -> None:
     """Watch CachePilotPools and their pods in ``namespace`` and keep ``router`` in step,
     until ``stop_flag`` is set. Call it as a task on the gateway's event loop.
 
@@ -155,6 +164,8 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     later API trouble is retried (kopf's watcher is restarted with backoff), never raised
     into the gateway. ``kv_events`` (the gateway's ``GatewayConfig.kv_endpoints``) is bound to
     this operator's view: it answers where each worker publishes KV-cache events.
+    ``objectives`` (flow control's name → priority table) follows the InferenceObjectives
+    when ``options.objectives_group`` says to watch them.
     """
     options = options or OperatorOptions()
     login = login or default_login
@@ -168,7 +179,7 @@ async def run_operator(router: Router, *, namespace: str, stop_flag: asyncio.Eve
     client = KubeClient(info, backoffs=options.api_backoffs)
     controller = Controller(router, namespace=namespace, scraper=scraper, client=client,
                             identity=identity, options=options, clock=clock,
-                            kv_events=kv_events)
+                            kv_events=kv_events, objectives=objectives)
     loop = asyncio.get_running_loop()
     registry = build_registry(controller, login, loop)
 

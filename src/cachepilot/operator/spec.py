@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cachepilot.core import BlockConfig, CostModel, PoolSpec, Weights
+from cachepilot.core.flow.config import FlowConfig
 from cachepilot.core.policies import LIVE_POLICIES
 from cachepilot.datalayer.engine_metrics import ENGINES
 from cachepilot.datalayer.kv_events import Endpoints
@@ -251,6 +252,36 @@ def _tokenizer(routing: Mapping[str, Any]) -> TokenizerSource | None:
                            lists["servedModelNames"])
 
 
+def _flow(spec: Mapping[str, Any]) -> FlowConfig | None:
+    """spec.flowControl → this pool's FlowConfig (None: the gateway's settings apply)."""
+    if "flowControl" not in spec:
+        return None
+    section = _section(spec, "flowControl")
+    base = FlowConfig()
+    changes: dict[str, Any] = {}
+    for attr, key in crd.FLOW_FIELDS.items():
+        if key not in section:
+            continue
+        default, value = getattr(base, attr), section[key]
+        if isinstance(default, bool | str):
+            if type(value) is not type(default):
+                raise InvalidSpec("InvalidSpec", f"spec.flowControl.{key} must be a "
+                                  f"{type(default).__name__}, not {value!r}")
+            changes[attr] = value
+        else:
+            number = _number(section, key, default, "spec.flowControl")
+            if isinstance(default, int):
+                if not number.is_integer():
+                    raise InvalidSpec("InvalidSpec", f"spec.flowControl.{key} must be a whole "
+                                      f"number, not {value!r}")
+                number = int(number)
+            changes[attr] = number
+    try:
+        return FlowConfig(**changes)
+    except ValueError as e:
+        raise InvalidSpec("InvalidSpec", f"spec.flowControl: {e}") from None
+
+
 def _inference_pool_ref(spec: Mapping[str, Any]) -> str | None:
     ref = spec.get("inferencePoolRef")
     if ref is None:
@@ -347,7 +378,7 @@ def parse_pool(name: str, body: Mapping[str, Any],
                             path=path, interval_s=interval, timeout_s=min(timeout, interval),
                             stale_after_s=stale, engine=engine),
         spec=PoolSpec(name=name, models=tuple(models), policy=policy, weights=weights,
-                      cost=cost, block=block, capacity_blocks=capacity),
+                      cost=cost, block=block, capacity_blocks=capacity, flow=_flow(spec)),
         generation=int(generation),
         inference_pool=ref,
         kv_events=_kv_events(spec),

@@ -96,6 +96,51 @@ def plain_reason(record: Mapping[str, Any]) -> str:
     return line + "."
 
 
+_HOLD_WHY = {
+    "pool_full": "every worker was busy (at the gate's depth) when it arrived",
+    "prefix_holder_busy": "the busy worker holding its prefix was predicted to answer sooner "
+                          "than recomputing it elsewhere",
+    "queued_behind": "others were already held in its pool",
+}
+_DISPATCH_HOW = {
+    "direct": "routed at once",
+    "fair": "its tenant's turn (the least-served eligible tenant, oldest request first)",
+    "locality": "a locality pick: an open worker held its prefix",
+    "holder": "its prefix holder opened",
+    "holder_timeout": "its prefix holder stayed busy past the wait allowed; went elsewhere",
+}
+
+
+def flow_line(record: Mapping[str, Any]) -> str | None:
+    """Flow control's part in one sentence: the tenant and band, how long the request was
+    held and why, and how it was dispatched (None: flow control did not see it)."""
+    f = record.get("flow")
+    if not f:
+        return None
+    who = f"tenant {f.get('tenant')!r}, band {f.get('priority', 0)}"
+    if f.get("objective"):
+        who += f" (objective {f['objective']!r})"
+    held = f.get("held_ms", 0.0)
+    if not f.get("hold_reason"):
+        line = f"flow: {who}; not held ({_DISPATCH_HOW['direct']})"
+    else:
+        why = _HOLD_WHY.get(f["hold_reason"], f["hold_reason"])
+        how = _DISPATCH_HOW.get(f.get("dispatch", ""), f.get("dispatch", "?"))
+        line = (f"flow: {who}; held {held:.0f} ms because {why} ({f.get('position', 0)} "
+                f"held ahead of it then); dispatched by {how}")
+        if f.get("dispatch") == "locality":
+            line += f", saving {f.get('gain_ms', 0.0):.0f} ms of prefill over the fair pick"
+        if f.get("holder"):
+            line += f"; waited for {f['holder']}"
+        line += (f"; its tenant was {f.get('lag_tokens', 0.0):,.0f} weighted tokens ahead of "
+                 "the band's least-served")
+    if f.get("slo_ms") is not None:
+        met = {True: "predicted to meet it", False: "no worker predicted to meet it",
+               None: "not judged"}[f.get("slo_met")]
+        line += f"; TTFT target {f['slo_ms']:g} ms: {met}"
+    return line + "."
+
+
 def _fmt_ms(v: float | None) -> str:
     return "–" if v is None else f"{v:.1f}"
 
@@ -115,7 +160,9 @@ _ROWS: tuple[tuple[str, Any], ...] = (
     ("congestion ms", lambda c: _fmt_ms(c.get("congestion_ms", 0.0))),
     # Slot engines: the prefill later requests would redo for what this placement overwrites.
     ("eviction ms", lambda c: _fmt_ms(c.get("eviction_ms", 0.0))),
-    ("value", lambda c: f"{c['value']:.1f}" if c["eligible"] else "–"),
+    # Flow control's closed workers are valued too: what waiting for one would be worth.
+    ("value", lambda c: f"{c['value']:.1f}" if c["eligible"]
+     or c.get("filtered") in ("closed", "slo") else "–"),
 )
 
 
@@ -172,6 +219,9 @@ def render(record: Mapping[str, Any], console: Console) -> None:
     for line in outcome_lines(record):
         console.print(line)
     console.print(f"why: {plain_reason(record)}")
+    line = flow_line(record)
+    if line:
+        console.print(line)
     if record.get("extra"):  # schema 1: a policy's learned state (the adaptive weight)
         console.print(f"extra: {record['extra']}")
 
@@ -189,4 +239,5 @@ def summary(record: Mapping[str, Any]) -> dict[str, Any]:
         "predicted_cached_tokens": record.get("predicted_cached_tokens"),
         "reported_cached_tokens": out.get("cached_tokens"),
         "reason": plain_reason(record), "router_reason": record.get("reason"),
+        "flow": record.get("flow"), "waited": flow_line(record),
     }

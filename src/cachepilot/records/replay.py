@@ -38,6 +38,9 @@ def recorded_cost(record: Mapping[str, Any]) -> CostModel:
     return CostModel(**{k: v for k, v in (record.get("cost") or {}).items() if k in _COST_FIELDS})
 
 
+_FLOW_FILTERS = ("closed", "slo")  # cachepilot.core.flow.gate.CLOSED, core.flow.slo.SLO
+
+
 class Replayer:
     """Re-decides records with one policy: each record's pool rebuilt through
     :meth:`Pool.restored` from the worker snapshots it stores, then the router's own
@@ -81,9 +84,12 @@ class Replayer:
         pool, fp = self.rebuild(record)
         subset = {c["worker"] for c in record["candidates"] if c.get("filtered") != "subset"}
         only = subset if len(subset) < len(record["candidates"]) else None
+        # Workers flow control had closed (or ruled out for a TTFT target) stay out too.
+        excluded = {c["worker"]: c["filtered"] for c in record["candidates"]
+                    if c.get("filtered") in _FLOW_FILTERS} or None
         try:
             return self.router.decide(pool, record["model"], fp, record["time"], record["id"],
-                                      only=only)
+                                      only=only, excluded=excluded)
         except RoutingError:
             return None
 

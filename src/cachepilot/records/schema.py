@@ -120,6 +120,8 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
         # (no chat template, multimodal, …); None: exactly, or the pool is approximate.
         "exact_fallback": decision.fallback,
     }
+    if decision.flow is not None:  # flow control: tenant, band, time held and why
+        rec["flow"] = decision.flow.to_dict()
     if cost is not None:
         rec["cost"] = dict(cost)
     if source is not None:

@@ -18,6 +18,7 @@ for the run's measures: measured TTFT, the engine's real cached-token count, the
 
 from __future__ import annotations
 
+import functools
 import heapq
 import time as _time
 from collections.abc import Sequence
@@ -37,17 +38,19 @@ from cachepilot.core import (
     Weights,
     WorkerMetrics,
 )
+from cachepilot.core.flow.queue import Ticket
 from cachepilot.core.lifecycle import FIRST_TOKEN, Outcome, Plugin
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.records.plugins import DecisionSink, lifecycle_plugins
 from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
+from cachepilot.sim.flow_driver import FlowDriver, SimFlow, meta_of
 from cachepilot.sim.peers import SIM_POLICIES
 from cachepilot.sim.slot_engine import make_engine
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
 
-ARRIVAL, STEP_END, SCRAPE, SYNC, HEARTBEAT = 0, 1, 2, 3, 4
+ARRIVAL, STEP_END, SCRAPE, SYNC, HEARTBEAT, FLOW = 0, 1, 2, 3, 4, 5
 # Synced replicas send the ids they have in flight this often, as the gateway's bus does
 # (cachepilot.gateway.replica_bus): it is also how each hears that the others are routing.
 HEARTBEAT_S = 1.0
@@ -78,6 +81,10 @@ class SimConfig:
     sync_delay_s: float | None = None
     # Scrapes carry the engines' prefill progress (WorkerMetrics.prefill_done_tokens).
     prefill_progress: bool = True
+    # Flow control (cachepilot.sim.flow_driver): hold instead of reject, by band and tenant
+    # (a request's extra: tenant, priority, slo_ms). None: off, the router's admission
+    # limit answers 429 (the studies before issue 25 ran so; they still do).
+    flow: SimFlow | None = None
 
 
 # How requests reach one of several gateway replicas: ``random`` per request (Envoy's
@@ -114,6 +121,9 @@ class RequestResult:
     first_token_at: float | None = None
     finished_at: float | None = None
     rejected: str | None = None  # RoutingError code when no worker took it
+    tenant: str = "default"  # its tenant and band (the request's extra)
+    priority: int = 0
+    held_s: float = 0.0  # time flow control held it (part of ttft_s)
 
 
 @dataclass(slots=True)
@@ -180,6 +190,10 @@ class Simulator:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.now = 0.0
+        if config.flow is not None and config.replicas > 1:
+            raise ValueError("flow control is simulated with one gateway replica")
+        self.flow = (None if config.flow is None else
+                     FlowDriver(config.flow, self.router, lambda t: self._push(t, FLOW, None)))
 
     # -- events ---------------------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -266,25 +280,28 @@ class Simulator:
                 out = RequestResult(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
                 router = self._replica_for(r, arrivals)
                 arrivals += 1
+                # What the client asked for (a cap: flow control's estimate of the output),
+                # which the engine's real length (max_tokens) may not reach.
+                cap = r.extra.get("client_max_tokens", r.max_tokens)
+                ireq = InferenceRequest(model=MODEL, max_tokens=cap, fingerprint=r.fp,
+                                        user_start=r.user_start, prefix_key=r.prefix_key)
+                meta = meta_of(r.extra)
+                out.tenant, out.priority = meta.tenant, meta.priority
                 try:
-                    d = router.route(InferenceRequest(model=MODEL, max_tokens=r.max_tokens,
-                                                      fingerprint=r.fp, user_start=r.user_start,
-                                                      prefix_key=r.prefix_key),
-                                     t, f"r{r.id}")
+                    if self.flow is None:
+                        d = router.route(ireq, t, f"r{r.id}")
+                    else:
+                        held = self.flow.admit(ireq, meta, t, functools.partial(
+                            self._released, r, out, inflight, results))
+                        if not isinstance(held, Decision):
+                            continue  # held: _released submits it, or records its refusal
+                        d = held
                 except RoutingError as exc:  # the router's plugins have heard of it
                     out.rejected = exc.code
                     results.append(out)
                     remaining -= 1
                     continue
-                out.predicted_ttft_s = d.winner.predicted_ttft_ms / 1000.0
-                out.worker = d.chosen
-                w = self.workers[d.chosen]
-                w.assigned += 1
-                er = EngineRequest(r.id, r.prompt_tokens, r.fp.hashes, r.max_tokens, t)
-                inflight[r.id] = (router, d, out)
-                w.engine.submit(er)
-                if not w.busy:
-                    self._start_step(w, t)
+                self._submit(router, d, r, out, t, inflight)
             elif kind == STEP_END:
                 w, res = payload
                 w.busy = False
@@ -293,12 +310,18 @@ class Simulator:
                     out.first_token_at = er.first_token_at
                     out.ttft_s = er.first_token_at - out.arrival
                     out.cached_tokens = er.cached_tokens
-                    router.first_token(d, out.ttft_s * 1000.0)
+                    router.first_token(d, (er.first_token_at - d.time) * 1000.0)
+                    if self.flow is not None:
+                        self.flow.charge(d, 1, t)
+                if self.flow is not None and self.flow.spec.charge_as_generated:
+                    for er in res.decoded:
+                        self.flow.charge(inflight[er.id][1], 1, t)
                 for er in res.finished:
                     router, d, out = inflight.pop(er.id)
                     out.finished_at = er.finished_at
-                    router.release(d, Outcome(
-                        status=200, ttft_ms=None if out.ttft_s is None else out.ttft_s * 1000.0,
+                    router.release(d, Outcome(  # TTFT from dispatch: what the router predicted
+                        status=200, ttft_ms=None if out.first_token_at is None
+                        else (out.first_token_at - d.time) * 1000.0,
                         ttft_kind=FIRST_TOKEN, cached_tokens=out.cached_tokens,
                         completion_tokens=out.output_tokens, completed_at=er.finished_at))
                     results.append(out)
@@ -311,6 +334,8 @@ class Simulator:
                     self._push(t + interval, SCRAPE, None)
             elif kind == HEARTBEAT:
                 self._heartbeat(t)
+            elif kind == FLOW:
+                pass  # a flow-control deadline or tick: after_event below pumps
             else:  # SYNC: one replica's events reach the others
                 source, batch = payload
                 for rep in self.replicas:
@@ -319,6 +344,9 @@ class Simulator:
                             rep.sync.apply(e, rep.router, t)
             if self.cfg.sync_delay_s is not None:
                 self._send_sync(t)
+            if self.flow is not None:
+                self.flow.after_event(t, timer=kind == FLOW)
+                remaining = len(reqs) - len(results)
         for _, _, out in inflight.values():  # cut off by drain_limit_s: never finished
             results.append(out)
         end = max((o.finished_at for o in results if o.finished_at is not None),
@@ -333,6 +361,31 @@ class Simulator:
             if rep.sync is not None:
                 rep.sync.heartbeat()
         self._push(now + HEARTBEAT_S, HEARTBEAT, None)
+
+    def _submit(self, router: Router, d: Decision, r: SimRequest, out: RequestResult,
+                t: float, inflight: dict[int, tuple[Router, Decision, RequestResult]]) -> None:
+        """A routed request reaches its engine."""
+        out.predicted_ttft_s = d.winner.predicted_ttft_ms / 1000.0
+        out.worker = d.chosen
+        if d.flow is not None:
+            out.held_s = d.flow.held_ms / 1000.0
+        w = self.workers[d.chosen]
+        w.assigned += 1
+        er = EngineRequest(r.id, r.prompt_tokens, r.fp.hashes, r.max_tokens, t)
+        inflight[r.id] = (router, d, out)
+        w.engine.submit(er)
+        if not w.busy:
+            self._start_step(w, t)
+
+    def _released(self, r: SimRequest, out: RequestResult,
+                  inflight: dict[int, tuple[Router, Decision, RequestResult]],
+                  results: list[RequestResult], ticket: Ticket) -> None:
+        """A held request left flow control's queue: to its engine, or refused."""
+        if ticket.decision is not None:
+            self._submit(self.router, ticket.decision, r, out, self.now, inflight)
+        elif ticket.error is not None:
+            out.rejected = ticket.error.code
+            results.append(out)
 
     def _send_sync(self, now: float) -> None:
         """Put every replica's new events on the bus, delivered after the delay."""

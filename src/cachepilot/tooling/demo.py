@@ -32,10 +32,12 @@ def requests(spec: WorkloadSpec = WORKLOAD, seed: int = SEED) -> list[SimRequest
 
 
 def run_phase(policy: str, reqs: list[SimRequest], progress: Progress, task_label: str,
-              decision_log: str | None = None) -> tuple[dict[str, Any], str]:
+              decision_log: str | None = None, gateway_args: tuple[str, ...] = ()
+              ) -> tuple[dict[str, Any], str]:
     task = progress.add_task(task_label, total=len(reqs))
     config = StackConfig(policy=policy, decision_log=decision_log, model=MODEL,
-                         worker_args=("--num-blocks", str(WORKER_KV_BLOCKS)))
+                         worker_args=("--num-blocks", str(WORKER_KV_BLOCKS)),
+                         gateway_args=gateway_args)
     bodies = [chat_body(r, MODEL) for r in reqs]
     with LocalStack(config) as stack:
         results, wall = asyncio.run(run(stack.url, [r.arrival for r in reqs], bodies,
@@ -57,14 +59,14 @@ def predictor_accuracy(stack: LocalStack) -> dict[str, Any]:
 
 
 def run_demo(spec: WorkloadSpec, progress: Progress, decision_log: str | None = None,
-             seed: int = SEED) -> dict[str, object]:
+             seed: int = SEED, gateway_args: tuple[str, ...] = ()) -> dict[str, object]:
     """Each phase's summary (and its stack's log directory) by label; CachePilot's decisions
-    are recorded in ``decision_log`` if given."""
+    are recorded in ``decision_log`` if given; ``gateway_args`` go to both gateways."""
     reqs = requests(spec, seed)
     out: dict[str, object] = {}
     for label, policy in PHASES:
         log = decision_log if policy == "priced" else None
-        summary, logs = run_phase(policy, reqs, progress, label, log)
+        summary, logs = run_phase(policy, reqs, progress, label, log, gateway_args)
         out[label] = summary | {"logs": logs}
     if decision_log:
         out["decision_log"] = decision_log

@@ -34,6 +34,8 @@ from typing import Any
 
 import orjson
 
+from cachepilot.core.flow.classify import header_names
+from cachepilot.core.flow.config import FlowConfig
 from cachepilot.core.request import INFERENCE_PATHS
 from cachepilot.deploy.envoy.common import (
     EXT_PROC_FILTER,
@@ -69,6 +71,7 @@ from cachepilot.gateway.protocol import (
     ROLE_METADATA,
     ROUTE_ROLE,
     WORKER_HEADER,
+    header_attribute,
 )
 
 # Headers the listener accepts beyond max_request_headers: what the gateway's mutations and
@@ -147,6 +150,9 @@ class EnvoyOptions:
     # gateway and Envoy add (destination, decision id, x-request-id, x-forwarded-proto, …).
     max_request_headers: int = 100
     extra: dict[str, Any] = field(default_factory=dict)
+    # Request headers flow control reads (tenant, priority band, TTFT target), forwarded to
+    # the routing stream as ext_proc attributes: a body-only stream sees no headers.
+    flow_headers: tuple[str, ...] = header_names(FlowConfig())
 
     @property
     def body_only(self) -> bool:
@@ -385,6 +391,10 @@ def _routing_filter(o: EnvoyOptions) -> dict[str, Any]:
         message_timeout=f"{o.message_timeout_ms / 1000:.3f}s",
         # The gateway's ordered worker list for the override-host cluster.
         metadata_options={"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+        # Flow control's headers, in the stream's first message (a body-only stream gets
+        # no headers). Filter-wide: Envoy 1.40 ignores a per-route request_attributes.
+        **({"request_attributes": [header_attribute(h) for h in o.flow_headers]}
+           if o.flow_headers else {}),
         # Stream the body at once: the gateway answers the headers when it has the body,
         # so a decision costs one round trip (STREAMED mode only).
         send_body_without_waiting_for_header_response=True)
