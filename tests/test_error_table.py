@@ -84,8 +84,18 @@ def test_every_gateway_error_has_its_row() -> None:
         assert (status, code) in rows, (
             f"{where} answers {status} {code!r}: add it to cachepilot.gateway.errors.ERRORS")
         assert rows[status, code] == retry_after, f"{where}: Retry-After differs from the table"
-    stale = set(rows) - {(s, c) for s, c, _, _ in raised}
+    stale = set(rows) - {(s, c) for s, c, _, _ in raised} - set(_flow_refusals())
     assert not stale, f"rows no code raises any more: {stale}"
+    for status, code in _flow_refusals():
+        assert rows.get((status, code)) is True, f"flow control's {code}: add its row"
+
+
+def _flow_refusals() -> list[tuple[int, str]]:
+    """Flow control refuses with a reason, not a literal code (FlowError's type is
+    flow_<reason>; cachepilot.core.flow.refusal): 503 with no ready worker, else 429."""
+    from cachepilot.core.flow.info import NO_READY_WORKER, SHED_REASONS
+
+    return [(503 if r == NO_READY_WORKER else 429, f"flow_{r}") for r in SHED_REASONS]
 
 
 def test_every_envoy_reply_has_its_row() -> None:
@@ -106,3 +116,4 @@ def test_rows_are_unique_and_described() -> None:
     for e in ERRORS:
         assert e.source in (GATEWAY, ENVOY)
         assert e.when.strip() and e.action.strip()
+

@@ -41,6 +41,11 @@ HEADERS: dict[str, tuple[str, str]] = {
     "REQUEST_ID_HEADER": (
         "request (EPP)", "Kept when the client sent one, else generated (as the reference EPP "
                          "does)."),
+    "SHED_HEADER": (
+        "response (flow control's 429 and 503)",
+        "Why flow control refused the request (`queue_full`, `ttl_expired`, `sheddable`, "
+        "`slo_unmeetable`, …; the request headers it reads are in "
+        "[Flow control](../flow-control.md))."),
     "SERVED_REPORT_HEADER": (
         "response (EPP)", "The endpoint that served the request, echoed for the upstream "
                           "conformance tests."),
@@ -60,6 +65,10 @@ ADMIN: dict[str, str] = {
                 "counters.",
     "/pools": "Every pool: models, policy, weights, block size, decisions, directory size "
               "and modes.",
+    "/flow": "Flow control now: the settings in force, the requests held, the "
+             "InferenceObjectives' priorities, and per pool and band the requests held by "
+             "tenant, the oldest wait and the fairness lag in weighted tokens "
+             "([Flow control](../flow-control.md)); 404 when it is off.",
     "/decisions/{id}": "One decision record with its outcome and a plain explanation "
                        "(needs `--decision-log`; 404 without).",
     "/predictor": "Each worker's learned TTFT model and the predictor's recent accuracy "

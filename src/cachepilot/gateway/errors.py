@@ -63,6 +63,32 @@ ERRORS: tuple[ErrorAnswer, ...] = (
                 "why), or none of the workers in the proxy's subset hint is eligible.",
                 "Retry after `Retry-After` seconds; check the workers (`GET /workers` on "
                 "the admin port, the CachePilotPool's status)."),
+    # Flow control's refusals (cachepilot.core.flow.refusal): x-cachepilot-shed-reason says
+    # the reason; the type is flow_<reason>.
+    ErrorAnswer(429, "flow_queue_full", GATEWAY, True,
+                "Flow control's queue for the request's priority band is full "
+                "(`max_queued`) and the request's tenant already holds the most of it.",
+                "Retry after `Retry-After` seconds; a tenant that floods is the one refused. "
+                "Raise `max_queued` or add workers if every tenant meets it."),
+    ErrorAnswer(429, "flow_tenant_over_share", GATEWAY, True,
+                "A held request pushed out of its band's full queue by a newcomer: its "
+                "tenant held the most of the queue.",
+                "As `flow_queue_full`."),
+    ErrorAnswer(429, "flow_ttl_expired", GATEWAY, True,
+                "Held for its band's time to live (`ttl_s`, 30 s by default) and no worker "
+                "opened for it.",
+                "Retry after `Retry-After` seconds; the pool is saturated: add workers, or "
+                "lower this traffic's band."),
+    ErrorAnswer(429, "flow_sheddable", GATEWAY, True,
+                "A sheddable request (negative priority) that would have had to wait: shed "
+                "before any other band's request.",
+                "Retry later, or send it in a band of priority 0 or more."),
+    ErrorAnswer(429, "flow_slo_unmeetable", GATEWAY, True,
+                "A sheddable request with a TTFT target no worker is predicted to meet.",
+                "Retry later, or relax the target header."),
+    ErrorAnswer(503, "flow_no_ready_worker", GATEWAY, True,
+                "A held request's pool lost its last ready worker.",
+                "As `no_healthy_worker`."),
     ErrorAnswer(500, "internal_error", GATEWAY, False,
                 "A bug in the gateway while routing this request; it keeps serving others.",
                 "Retry; report it with the gateway's log line."),
