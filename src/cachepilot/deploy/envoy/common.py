@@ -85,11 +85,26 @@ def static_cluster(name: str, hosts: list[tuple[str, int]], *, http2: bool = Fal
     return cluster
 
 
+# Inference servers close idle keep-alive connections after 5 s (llama.cpp's cpp-httplib,
+# vLLM's uvicorn); a request Envoy sends on one as it closes dies with a connection reset
+# after it left (not retriable: it may have reached the worker). Envoy closes first.
+WORKER_IDLE_TIMEOUT = "3s"
+
+
+def worker_connections() -> dict[str, Any]:
+    """Upstream protocol options for clusters of inference workers."""
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": T + "extensions.upstreams.http.v3.HttpProtocolOptions",
+        "common_http_protocol_options": {"idle_timeout": WORKER_IDLE_TIMEOUT},
+        "explicit_http_config": {"http_protocol_options": {}}}}
+
+
 def fallback_cluster(name: str, workers: tuple[str, ...], max_requests: int,
                      timeout_s: float = 2.0) -> dict[str, Any]:
     """Fail-open's destination when no worker was named: round robin over ``workers``."""
     cluster = static_cluster(name, [split(h) for h in workers], timeout_s=timeout_s)
     cluster["circuit_breakers"] = breakers(max_requests)
+    cluster["typed_extension_protocol_options"] = worker_connections()
     return cluster
 
 
@@ -116,6 +131,7 @@ def override_host_cluster(name: str, workers: tuple[str, ...], *,
                 "typed_config": {"@type": T + "extensions.load_balancing_policies.round_robin"
                                               ".v3.RoundRobin"}}}]}}}}]}
     cluster["circuit_breakers"] = breakers(max_requests)
+    cluster["typed_extension_protocol_options"] = worker_connections()
     return cluster
 
 
@@ -129,7 +145,8 @@ def original_dst_cluster(name: str, *, timeout_s: float, max_requests: int,
         lb["metadata_key"] = {"key": LB_METADATA_NAMESPACE, "path": [{"key": metadata_key}]}
     return {"name": name, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": f"{timeout_s}s", "original_dst_lb_config": lb, **fields,
-            "circuit_breakers": breakers(max_requests)}
+            "circuit_breakers": breakers(max_requests),
+            "typed_extension_protocol_options": worker_connections()}
 
 
 # -- filters and routes -------------------------------------------------------------------------
