@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cachepilot.cli.options import stack_failed
+from cachepilot.cli.options import save_svg, stack_failed, svg_option
 from cachepilot.tooling.demo import WORKER_KV_BLOCKS, WORKLOAD, run_demo
 
 
@@ -26,8 +26,9 @@ from cachepilot.tooling.demo import WORKER_KV_BLOCKS, WORKLOAD, run_demo
               help="Record CachePilot's decisions here (explain/replay them later).")
 @click.option("--flow-control", type=click.Choice(["on", "off"]), default="on",
               show_default=True, help="The gateways' flow control (as `cachepilot gateway`).")
+@svg_option
 def demo_cmd(as_json: bool, duration: float, rate: float, decision_log: str | None,
-             flow_control: str) -> None:
+             flow_control: str, svg_path: str | None) -> None:
     """Round robin vs CachePilot on the local stack (Envoy + gateway + 3 simulated workers)."""
     spec = WORKLOAD.with_(duration=duration, rate=rate)
     console = Console(stderr=True)
@@ -46,7 +47,9 @@ def demo_cmd(as_json: bool, duration: float, rate: float, decision_log: str | No
     if as_json:
         sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
-    _table(out, Console(width=max(100, Console().width)))
+    table_console = Console(width=max(100, Console().width), record=bool(svg_path))
+    _table(out, table_console)
+    save_svg(table_console, svg_path, "cachepilot demo")
     if decision_log:
         console.print(f"decisions recorded in {decision_log}: try "
                       f"`cachepilot decisions stats {decision_log}`")

@@ -52,3 +52,21 @@ def stack_failed(exc: BaseException, log_dir: object) -> click.ClickException:
     where = f" (logs: {log_dir})" if log_dir and str(log_dir) != "." and Path(
         str(log_dir)).exists() else ""
     return click.ClickException(f"{first}{where}")
+
+
+def svg_option(f: F) -> F:
+    """``--svg FILE``: the command's table also saved as an SVG image (rich's own export;
+    the docs' screenshots are made this way)."""
+    return click.option("--svg", "svg_path", default=None, metavar="FILE.svg",
+                        type=click.Path(dir_okay=False, writable=True),
+                        help="Also save the printed table as an SVG image.")(f)
+
+
+def save_svg(console: Any, path: str | None, title: str) -> None:
+    """Write what a ``Console(record=True)`` printed to ``path`` (when given)."""
+    if path:
+        try:
+            console.save_svg(path, title=title)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
+

