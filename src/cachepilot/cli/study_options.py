@@ -1,6 +1,7 @@
 """What ``cachepilot experiment``'s commands share: defaults read from the study that owns
 them without importing it up front, comma-separated name lists, the command line that
-reproduces a run, and the one-line refusal when an optional extra is missing.
+reproduces a run (written into the study's output folder), and the one-line refusal when an
+optional extra is missing.
 
 The studies (:mod:`cachepilot.lab`) load only when their command runs, so listing them or a
 base install (``pip install .``, no extras) never fails on a study's dependencies; yet each
@@ -13,9 +14,13 @@ import importlib
 import importlib.util
 import shlex
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from cachepilot.lab.output import StudyOutput
 
 
 def resolve(ref: str) -> Any:
@@ -107,6 +112,14 @@ def command_line(ctx: click.Context, **resolved: Any) -> str:
         else:
             argv += [p.opts[0], f"{value:g}" if isinstance(value, float) else str(value)]
     return shlex.join(argv)
+
+
+def study_output(ctx: click.Context, folder: str, /, **resolved: Any) -> StudyOutput:
+    """The study's output folder, with the command line that reproduces this run
+    (``resolved`` may name ``out_dir`` too: a default the command worked out)."""
+    from cachepilot.lab.output import StudyOutput
+
+    return StudyOutput(Path(folder), command_line(ctx, **resolved))
 
 
 def require_extra(extra: str, *modules: str) -> None:

@@ -3,8 +3,9 @@ reference (``cachepilot.docgen``) and troubleshooting pages are generated from.
 
 Two components answer errors. The gateway answers through ext_proc (an ImmediateResponse:
 Envoy never contacts a worker); Envoy answers itself from the bootstrap the gateway's code
-generates (:mod:`cachepilot.deploy.envoy.ours`: direct responses and local-reply mappers,
-which also set ``x-cachepilot-error`` to the type). Both send OpenAI's error envelope,
+generates (:mod:`cachepilot.deploy.envoy.ours`, its replies in
+:mod:`cachepilot.deploy.envoy.replies`: direct responses and local-reply mappers, which also
+set ``x-cachepilot-error`` to the type). Both send OpenAI's error envelope,
 ``{"error": {"message": …, "type": …, "code": <status>}}``, so an unmodified client shows the
 message. ``tests/test_error_table.py`` keeps this table and the code in step both ways: every
 ``RequestError`` the core and the gateway raise, and every reply in the generated Envoy

@@ -22,6 +22,10 @@ soon as the answer's headers name the worker), and the truth is the engine's
 ``outside``, a share of the requests goes straight to a random worker, bypassing Envoy and
 the gateway (the same requests, to the same worker, under both policies); the others are
 scored.
+
+The traffic is built in :mod:`cachepilot.lab.vllm_chat_traffic`, the study's own KV-event
+subscriber and its diagnosis of a wrong prediction are in
+:mod:`cachepilot.lab.vllm_chat_events`; this module configures and runs the phases.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,136 +41,14 @@ from typing import Any
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import vllm_block_hashes, vllm_none_hash
 from cachepilot.core.request import CHAT_PATH, parse_openai_body
+from cachepilot.lab.vllm_chat_events import EventLog, diagnose
+from cachepilot.lab.vllm_chat_events import Logged as Logged  # re-exported
+from cachepilot.lab.vllm_chat_traffic import ChatRequest, outside_requests, sessions
+from cachepilot.lab.vllm_chat_traffic import system_prompt as system_prompt  # re-exported
 from cachepilot.lab.vllm_study import Sample, phase_record, summarise
 
 POLICIES = ("round_robin", "cachepilot")
 GATEWAY_POLICY = {"cachepilot": "priced", "round_robin": "round_robin"}
-
-# -- the traffic ------------------------------------------------------------------------------
-
-TOPICS = ("parcel", "invoice", "refund", "label", "delivery", "warehouse", "customs", "route",
-          "account", "password", "subscription", "discount", "courier", "pallet", "address",
-          "tracking", "insurance", "weight", "battery", "contract")
-WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "with", "as", "by", "at",
-         "from", "that", "this", "be", "are", "it", "or", "not", "when", "must", "can", "will",
-         "customer", "order", "price", "day", "week", "team", "policy", "request", "answer",
-         "short", "clear", "free", "late", "damaged", "express", "standard", "international",
-         "local", "office", "store", "online", "phone", "email", "form", "number", "code")
-UNICODE = ("Ünïcödé", "naïve café", "Zürich", "São Paulo", "Kraków", "東京", "日本語の説明",
-           "中文", "한국어", "Ελληνικά", "русский", "עברית", "العربية", "😀", "🚀📦", "✅",
-           "→", "€ 12,50", "£7", "½ kg", "ﬁle", "e\u0301", "\u00a0")
-COMPANIES = ("Nordlicht Logistik GmbH", "Café Ünïcödé Deliveries", "東京エクスプレス",
-             "Ωmega Parcels", "Lakeside Freight", "Børge & Søn", "Rapid Courier Co.",
-             "Saint-Étienne Transports")
-
-
-def _sentence(rng: random.Random, n: int, unicode: float) -> str:
-    out = []
-    for _ in range(n):
-        r = rng.random()
-        out.append(rng.choice(UNICODE) if r < unicode else
-                   rng.choice(TOPICS) if r < unicode + 0.2 else rng.choice(WORDS))
-    text = " ".join(out)
-    return text[:1].upper() + text[1:] + rng.choice((".", ".", ".", "?", "!", ":"))
-
-
-def _paragraph(rng: random.Random, words: int, unicode: float) -> str:
-    out: list[str] = []
-    left = words
-    while left > 0:
-        n = min(left, rng.randint(6, 18))
-        out.append(_sentence(rng, n, unicode))
-        left -= n
-    return " ".join(out)
-
-
-def system_prompt(k: int, words: int) -> str:
-    """Shared system prompt ``k``: an assistant's role, rules and a policy text."""
-    rng = random.Random(f"system-{k}")
-    company = COMPANIES[k % len(COMPANIES)]
-    rules = "\n".join(f"{i + 1}. {_sentence(rng, rng.randint(6, 14), 0.02)}"
-                      for i in range(rng.randint(3, 6)))
-    head = (f"You are the customer support assistant of {company}. Answer in the customer's "
-            "language, in at most three sentences, and never invent a tracking number.\n\n"
-            f"Rules:\n{rules}\n\nPolicies:\n")
-    body = "\n\n".join(_paragraph(rng, words // 3, 0.02) for _ in range(3))
-    return head + body
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """One turn of a session: the body sent (the whole history so far), where it belongs."""
-
-    index: int  # its place in the phase's order
-    session: int
-    turn: int  # 0 for the session's first request
-    body: dict[str, Any]
-    after: int | None = None  # the index of the session's previous turn (answered first)
-
-
-def _content(rng: random.Random, text: str, parts: float) -> Any:
-    """A message's content: the string, or (a share ``parts``) OpenAI text parts."""
-    if rng.random() >= parts:
-        return text
-    cut = text.rfind(" ", 0, max(1, len(text) // 2))
-    if cut <= 0:
-        return [{"type": "text", "text": text}]
-    return [{"type": "text", "text": text[:cut]}, {"type": "text", "text": text[cut:]}]
-
-
-def sessions(cfg: ChatStudyConfig, seed: int, model: str) -> list[ChatRequest]:
-    """The phase's requests for ``seed``, in the order they are sent: sessions (a system
-    prompt by Zipf popularity, or none; 2 to ``max_turns`` turns) interleaved, ``open``
-    sessions at a time, each request the session's whole history plus a new user message,
-    with the assistant's earlier replies (made up here: the study generates one token)."""
-    rng = random.Random(seed)
-    weights = [1 / (k + 1) ** cfg.zipf for k in range(cfg.systems)]
-    out: list[ChatRequest] = []
-    live: list[dict[str, Any]] = []
-    last: dict[int, int] = {}
-    n_sessions = 0
-
-    def start() -> dict[str, Any]:
-        nonlocal n_sessions
-        msgs: list[dict[str, Any]] = []
-        if rng.random() >= cfg.no_system:
-            k = rng.choices(range(cfg.systems), weights)[0]
-            msgs.append({"role": "system", "content": system_prompt(k, cfg.system_words)})
-        n_sessions += 1
-        return {"id": n_sessions - 1, "messages": msgs, "turns": rng.randint(2, cfg.max_turns),
-                "turn": 0}
-
-    while len(out) < cfg.requests:
-        while len(live) < cfg.open_sessions:
-            live.append(start())
-        s = rng.choice(live)
-        msgs = s["messages"]
-        if s["turn"]:
-            reply = _paragraph(rng, rng.randint(*cfg.reply_words), cfg.unicode)
-            msgs.append({"role": "assistant", "content": _content(rng, reply, cfg.parts)})
-        words = rng.randint(*cfg.user_words)
-        text = _paragraph(rng, words, cfg.unicode)
-        if rng.random() < cfg.documents:
-            text += "\n\nDocument:\n" + "\n\n".join(
-                _paragraph(rng, rng.randint(40, 70), cfg.unicode) for _ in range(2))
-        msgs.append({"role": "user", "content": _content(rng, text, cfg.parts)})
-        body = {"model": model, "messages": [dict(m) for m in msgs], "max_tokens": 1,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        i = len(out)
-        out.append(ChatRequest(i, s["id"], s["turn"], body, last.get(s["id"])))
-        last[s["id"]] = i
-        s["turn"] += 1
-        if s["turn"] >= s["turns"]:
-            live.remove(s)
-    return out
-
-
-def outside_requests(cfg: ChatStudyConfig, seed: int, workers: list[str]) -> dict[int, str]:
-    """Which of the phase's requests bypass the gateway, and to which worker: the same for
-    every policy of a seed."""
-    rng = random.Random(seed * 7919 + 1)
-    return {i: workers[rng.randrange(len(workers))] for i in range(cfg.requests)
-            if rng.random() < cfg.outside}
 
 
 @dataclass(frozen=True)
@@ -201,118 +82,6 @@ class ChatSample(Sample):
     fallback: str | None = None  # the decision record's exact_fallback
     decision: str = ""
     why: str | None = None  # a wrong hit prediction, explained from the engine's events
-
-
-# -- the engines' events, to explain a wrong prediction ----------------------------------------
-
-@dataclass(frozen=True)
-class Logged:
-    worker: str
-    received: float  # time.time() here
-    ts: float  # the batch's timestamp (the engine's time.time())
-    kind: str  # BlockStored, BlockRemoved, AllBlocksCleared
-    hashes: frozenset[int]
-
-
-class EventLog:
-    """Every KV-event batch the workers publish, as this process receives it (a subscriber
-    of its own beside the gateway's), for :func:`diagnose`."""
-
-    def __init__(self) -> None:
-        self.entries: list[Logged] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._ctx: Any = None
-
-    def start(self, endpoints: dict[str, str], topic: str = "kv-events") -> None:
-        import zmq
-        import zmq.asyncio
-
-        self._ctx = zmq.asyncio.Context()
-        for worker, endpoint in endpoints.items():
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            sock.connect(endpoint)
-            self._tasks.append(asyncio.get_running_loop().create_task(self._read(worker,
-                                                                                  sock)))
-
-    async def _read(self, worker: str, sock: Any) -> None:
-        from cachepilot.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-        from cachepilot.datalayer.kv_wire import MalformedBatch, decode_batch
-
-        try:
-            while True:
-                frames = await sock.recv_multipart()
-                now = time.time()
-                try:
-                    events, _, ts = decode_batch(frames[-1])
-                except MalformedBatch:
-                    continue
-                for e in events:
-                    if isinstance(e, BlockStored | BlockRemoved):
-                        self.entries.append(Logged(worker, now, ts, type(e).__name__,
-                                                   frozenset(e.hashes)))
-                    elif isinstance(e, AllBlocksCleared):
-                        self.entries.append(Logged(worker, now, ts, "AllBlocksCleared",
-                                                   frozenset()))
-        finally:
-            sock.close(0)
-
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-
-
-def diagnose(record: dict[str, Any], predicted_tokens: int, measured: int, worker: str,
-             log: list[Logged], block_size: int) -> str:
-    """Why the gateway's hit prediction (its decision ``record``) was wrong, from the
-    engine's events: when the blocks it counted on (a false hit) or the first block the
-    engine had (a missed hit) were announced, relative to the routing decision."""
-    t = float(record["time"])
-    hashes = [int(h, 16) for h in record["hashes"]]
-    mine = [e for e in log if e.worker == worker]
-
-    def last_before(h: int) -> Logged | None:
-        return next((e for e in reversed(mine) if e.received <= t
-                     and (h in e.hashes or e.kind == "AllBlocksCleared")), None)
-
-    def first_after(h: int, kind: str) -> Logged | None:
-        return next((e for e in mine if e.received > t and e.kind == kind and h in e.hashes),
-                    None)
-
-    if predicted_tokens > 0 and measured == 0:  # a false hit: the first block was gone
-        h = hashes[0]
-        before = last_before(h)
-        if before is None:
-            held = "pending (routed, not announced)"
-        elif before.kind == "BlockStored":
-            held = f"announced {t - before.received:.2f} s before"
-        else:  # the engine had said it was gone: the gateway should have known
-            return (f"false hit: block 0's {before.kind} came {t - before.received:.2f} s "
-                    "before the decision")
-        gone = first_after(h, "BlockRemoved")
-        if gone is None:
-            return f"false hit: block 0 {held}; no removal of it seen after the decision"
-        return (f"false hit: block 0 {held}; its BlockRemoved came {gone.received - t:+.2f} s "
-                f"after the decision (engine step stamped {gone.ts - t:+.2f} s): evicted by "
-                "a step the gateway had not heard of yet")
-    if predicted_tokens == 0 and measured > 0:  # a missed hit
-        n = measured // block_size
-        h = hashes[max(0, n - 1)] if hashes else 0
-        before = last_before(h)
-        if before is not None and before.kind == "BlockStored":
-            return (f"missed hit: block {n - 1} was announced {t - before.received:.2f} s "
-                    "before the decision")
-        stored = first_after(h, "BlockStored")
-        if stored is None:
-            return f"missed hit: block {n - 1} never announced"
-        return (f"missed hit: block {n - 1} announced {stored.received - t:+.2f} s after the "
-                f"decision (engine step stamped {stored.ts - t:+.2f} s): stored by a request "
-                "the gateway had not routed or not heard of yet")
-    return ""
 
 
 # -- one phase -------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import load_vllm_tokenizer, vllm_block_hashes, vllm_none_hash
 from cachepilot.datalayer.kv_events import Endpoints, KVEventHub
 from cachepilot.records.stats import imbalance
-from cachepilot.sim.workloads import WORDS
+from cachepilot.sim.prompt_text import WORDS
 from cachepilot.tooling.vllm.model import prepare
 from cachepilot.tooling.vllm.worker import VllmWorkers, VllmWorkerSpec
 

@@ -29,9 +29,9 @@ from cachepilot.operator.kube import KubeClient
 from cachepilot.operator.kv_sources import KVEventSources
 from cachepilot.operator.objectives import Objectives
 from cachepilot.operator.options import OperatorOptions
+from cachepilot.operator.pods import PodView
 from cachepilot.operator.reconcile import Reconciler
 from cachepilot.operator.scrape_sources import ScrapeSources
-from cachepilot.operator.spec import PodView
 from cachepilot.operator.state import Member, PoolState, rfc3339
 from cachepilot.operator.status import PROBLEM_REASONS, STATUS_WORKERS_MAX, StatusWriter
 

@@ -21,16 +21,8 @@ from cachepilot.datalayer.model_files import ModelFilesError, load_prompts, pars
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
 from cachepilot.operator.events import EventPoster
-from cachepilot.operator.spec import (
-    InvalidSpec,
-    PodView,
-    PoolConfig,
-    host_port,
-    kv_event_endpoints,
-    parse_pool,
-    pod_view,
-    resolve_port,
-)
+from cachepilot.operator.pods import PodView, host_port, pod_view, resolve_port
+from cachepilot.operator.spec import InvalidSpec, PoolConfig, kv_event_endpoints, parse_pool
 from cachepilot.operator.state import Member, PoolState, log
 
 

@@ -22,17 +22,18 @@ Kinds (all parameters in :class:`WorkloadSpec`, defaults documented in docs/simu
   (:mod:`cachepilot.sim.traces`), sped up and sampled by prefix group on request.
 
 Drivers that send real HTTP requests (the load generator, the real-model experiment) turn a
-request's segments into text with :func:`segment_text` / :func:`chat_messages`: each
-segment's words are a pure function of its key too, so the same sharing holds in text.
+request's segments into text with :func:`~cachepilot.sim.prompt_text.segment_text` /
+:func:`~cachepilot.sim.prompt_text.chat_messages` (:mod:`cachepilot.sim.prompt_text`, its
+names importable from here too): each segment's words are a pure function of its key too, so
+the same sharing holds in text.
 
-(A little over 400 lines: every workload kind, its prompt text and its trace form live
-together, because they share the segment → tokens → hashes contract.)
+(A little over 400 lines: every workload kind and its trace form live together, because
+they share the segment → tokens → hashes contract.)
 """
 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -41,6 +42,10 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from cachepilot.core.fingerprint import BlockConfig, Fingerprint, fingerprint
+from cachepilot.sim.prompt_text import WORDS as WORDS  # re-exported
+from cachepilot.sim.prompt_text import chat_messages as chat_messages  # re-exported
+from cachepilot.sim.prompt_text import segment_text as segment_text  # re-exported
+from cachepilot.sim.prompt_text import words as words  # re-exported
 from cachepilot.sim.traces import detect_format, read_mooncake
 
 VOCAB = 32000
@@ -347,47 +352,6 @@ def _sessions(spec: WorkloadSpec, seed: int, rng: np.random.Generator) -> list[S
                                group=sess, extra={"turn": k},
                                prefix_key=prefix_key(ids, segs, spec.system_tokens)))
     return reqs
-
-
-# -- text -------------------------------------------------------------------------------------
-
-# The one word list prompt text is made of (the load generator, the real-model experiment).
-WORDS = (
-    "the", "of", "and", "to", "in", "is", "for", "on", "with", "as", "by", "at", "from",
-    "that", "this", "be", "are", "it", "an", "or", "was", "kernel", "cache", "block", "prefix",
-    "token", "batch", "queue", "worker", "model", "prompt", "latency", "envoy", "route", "pool",
-    "decode", "prefill", "memory", "schedule", "request", "response", "stream", "gateway",
-    "system", "river", "mountain", "copper", "window", "garden", "silver", "engine", "harbor",
-    "lantern", "violet",
-)
-
-
-def words(rng: random.Random, n: int) -> str:
-    """``n`` words drawn from :data:`WORDS`."""
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def segment_text(key: str, tokens: int, chars_per_token: float = 4.0) -> str:
-    """About ``tokens`` tokens of text (``tokens × chars_per_token`` characters), a pure
-    function of ``key``: segments that share a key share their text."""
-    rng = random.Random(key)
-    n = max(1, round(tokens * chars_per_token))
-    out: list[str] = []
-    size = 0
-    while size <= n:  # the joined words are size - 1 characters long
-        w = rng.choice(WORDS)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[:n]
-
-
-def chat_messages(req: SimRequest, chars_per_token: float = 4.0) -> list[dict[str, str]]:
-    """A request as chat messages: every segment but the last is the system message (the
-    shared part), the last is the user's."""
-    texts = [segment_text(k, n, chars_per_token) for k, n in req.segments]
-    *shared, own = texts if len(texts) > 1 else ["", *texts]
-    return [{"role": "system", "content": " ".join(shared)},
-            {"role": "user", "content": f"q{req.id}: {own}"}]
 
 
 # -- traces ------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import aiohttp
 import orjson
 
 from cachepilot.records.stats import imbalance, ttft_summary
-from cachepilot.sim.workloads import SimRequest, chat_messages
+from cachepilot.sim.prompt_text import chat_messages
+from cachepilot.sim.workloads import SimRequest
 
 
 @dataclass

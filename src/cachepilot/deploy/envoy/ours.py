@@ -24,15 +24,13 @@ Fail-closed: the processor down → 503 + Retry-After. Fail-open: the request go
 unprocessed, and a route without the gateway's destination (metadata, or the header for
 other paths) sends it to a round-robin fallback cluster. Every reply Envoy makes itself
 (gateway down, timeouts, unreachable worker, limits) is rewritten into the gateway's
-OpenAI-style JSON error body (:func:`_local_reply_config`).
+OpenAI-style JSON error body (:func:`cachepilot.deploy.envoy.replies.local_reply_config`).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
 
 from cachepilot.core.flow.classify import header_names
 from cachepilot.core.flow.config import FlowConfig
@@ -54,6 +52,7 @@ from cachepilot.deploy.envoy.common import (
     router_filter,
     static_cluster,
 )
+from cachepilot.deploy.envoy.replies import json_reply, local_reply_config, too_large
 from cachepilot.gateway.protocol import (
     BODY_METADATA,
     BODY_ONLY,
@@ -62,7 +61,6 @@ from cachepilot.gateway.protocol import (
     DECISION_HEADER,
     DECISION_KEY,
     DESTINATION_HEADER,
-    ERROR_HEADER,
     LB_METADATA_NAMESPACE,
     OBSERVE_METADATA,
     OBSERVE_ROLE,
@@ -181,77 +179,6 @@ class EnvoyOptions:
             raise ValueError("ext_proc_processes is 1 or more, and excludes more ports")
 
 
-def _error_body(status: int | str, message: str, kind: str) -> dict[str, Any]:
-    """The gateway's OpenAI-style error envelope (cachepilot.core.request.RequestError)."""
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
-def _json_reply(status: int, message: str, kind: str = "invalid_request") -> dict[str, Any]:
-    body = orjson.dumps(_error_body(status, message, kind)).decode()
-    return {"status": status, "body": {"inline_string": body}}
-
-
-def _too_large(o: EnvoyOptions) -> str:
-    return f"request body exceeds the limit of {o.max_body_bytes} bytes"
-
-
-def _cel(expression: str) -> dict[str, Any]:
-    return {"extension_filter": {
-        "name": "envoy.access_loggers.extension_filters.cel",
-        "typed_config": {"@type": T + "extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-                         "expression": expression}}}
-
-
-def _flags(*flags: str) -> dict[str, Any]:
-    return {"response_flag_filter": {"flags": list(flags)}}
-
-
-def _mapper(match: dict[str, Any], status: int | None, message: str, kind: str,
-            retry_after_s: int | None = None) -> dict[str, Any]:
-    m: dict[str, Any] = {"filter": match, "body_format_override": {
-        "json_format": _error_body(status or "%RESPONSE_CODE%", message, kind),
-        "content_type": "application/json"}}
-    if status is not None:
-        m["status_code"] = status
-    # The gateway sees this header on the response (a worker Envoy could not reach).
-    headers = {ERROR_HEADER: kind}
-    if retry_after_s is not None:
-        headers["retry-after"] = str(retry_after_s)
-    m["headers_to_add"] = [header(k, v) for k, v in headers.items()]
-    return m
-
-
-def _local_reply_config(o: EnvoyOptions) -> dict[str, Any]:
-    """Envoy's own replies in the gateway's JSON error body, with a status that says what
-    happened. The gateway's replies (ImmediateResponse, details ``cachepilot_*``) and the
-    routes' direct JSON replies are left as they are. First match wins."""
-    ttfb = f"{o.first_byte_timeout_s:g}s"
-    return {"mappers": [
-        # The processor unreachable, failed or too slow (fail-closed): nothing was routed.
-        _mapper(_cel("response.code_details.startsWith('ext_proc')"), 503,
-                "the routing gateway is unavailable; retry shortly",
-                "gateway_unavailable", retry_after_s=1),
-        # A chunked body past Envoy's buffer limit (a declared length is refused by the route).
-        _mapper({"and_filter": {"filters": [
-            {"status_code_filter": {"comparison": {"op": "EQ", "value": {
-                "default_value": 413, "runtime_key": "cachepilot.body_too_large"}}}},
-            _cel("!response.code_details.startsWith('cachepilot_')")]}},
-            413, _too_large(o), "body_too_large"),
-        _mapper(_flags("UT"), 504,
-                f"worker %UPSTREAM_HOST% sent no first byte within {ttfb}", "worker_timeout"),
-        _mapper(_flags("UO"), 503, "too many requests in flight; retry shortly", "overloaded",
-                retry_after_s=1),
-        _mapper(_flags("UF", "URX", "UH", "UR", "UC", "NR"), 503,
-                "worker %UPSTREAM_HOST% is unreachable (%RESPONSE_CODE_DETAILS% "
-                "%UPSTREAM_TRANSPORT_FAILURE_REASON%); retry shortly",
-                "worker_unreachable", retry_after_s=1),
-        # Anything else Envoy answers itself (header limits, request timeout, codec errors).
-        _mapper(_cel("!(response.code_details.startsWith('cachepilot_') || "
-                     "response.code_details == 'direct_response')"), None,
-                "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "envoy_local_reply"),
-    ]}
-
-
 def _workers_cluster(o: EnvoyOptions) -> dict[str, Any]:
     """Known workers: override-host on the gateway's ordered list (metadata, else the header),
     walked on retries. Otherwise ORIGINAL_DST: the chosen worker from a body-only answer's
@@ -320,15 +247,15 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
         # No body means no ext_proc message at all: answer here.
         {"name": f"{path}-empty", "match": {**post, "headers": [
             *post["headers"], {"name": "content-length", "string_match": {"exact": "0"}}]},
-         "direct_response": _json_reply(400, "request body is empty")},
+         "direct_response": json_reply(400, "request body is empty")},
         # A declared length over the limit never reaches the gateway (nor Envoy's buffer).
         {"name": f"{path}-too-large", "match": {**post, "headers": [
             *post["headers"], {"name": "content-length", "range_match": {
                 "start": o.max_body_bytes + 1, "end": 1 << 62}}]},
-         "direct_response": _json_reply(413, _too_large(o), "body_too_large")},
+         "direct_response": json_reply(413, too_large(o.max_body_bytes), "body_too_large")},
         {"name": f"{path}-method", "match": {"path": path, "headers": [
             {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]},
-         "direct_response": _json_reply(405, f"{path} takes POST")},
+         "direct_response": json_reply(405, f"{path} takes POST")},
     ]
     decision = (f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{DECISION_KEY})%" if o.body_only
                 else f"%REQ({DECISION_HEADER})%")
@@ -443,7 +370,7 @@ def build(o: EnvoyOptions) -> dict[str, Any]:
         request_timeout=f"{o.body_timeout_s}s",
         common_http_protocol_options={"max_headers_count": o.max_request_headers
                                       + HEADER_HEADROOM},
-        local_reply_config=_local_reply_config(o))
+        local_reply_config=local_reply_config(o.max_body_bytes, o.first_byte_timeout_s))
     ports = ((o.ext_proc_port, *o.ext_proc_more_ports) if o.ext_proc_processes == 1 else
              tuple(o.ext_proc_port + 1 + i for i in range(o.ext_proc_processes)))
     ext_proc = static_cluster(EXT_PROC_CLUSTER, [(o.ext_proc_host, p) for p in ports],

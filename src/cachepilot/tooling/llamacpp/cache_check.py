@@ -31,7 +31,7 @@ import orjson
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
 from cachepilot.core.slot_memory import SlotConfig, SlotMemory
-from cachepilot.sim.workloads import words
+from cachepilot.sim.prompt_text import words
 from cachepilot.tooling.llamacpp.calibration import calibrate
 from cachepilot.tooling.llamacpp.worker import PROMPT_STATE_MIB, LlamaWorkerSpec, model_path
 from cachepilot.tooling.procs import Processes

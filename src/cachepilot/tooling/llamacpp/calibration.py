@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from cachepilot.core.cost import CostModel
-from cachepilot.sim.workloads import words
+from cachepilot.sim.prompt_text import words
 
 
 @dataclass(frozen=True)

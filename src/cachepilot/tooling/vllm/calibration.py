@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from cachepilot.sim.workloads import words
+from cachepilot.sim.prompt_text import words
 from cachepilot.tooling.llamacpp.calibration import Calibration
 
 
