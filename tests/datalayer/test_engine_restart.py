@@ -9,7 +9,6 @@ tests/test_vllm_real.py.
 """
 
 import asyncio
-import time
 
 import pytest
 
@@ -24,6 +23,8 @@ from cachepilot.core.workers import WorkerMetrics
 from cachepilot.datalayer.engine_metrics import parse_metrics
 from cachepilot.datalayer.kv_events import Endpoints, KVEventHub
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
+
+from helpers.polling import seconds_until
 
 W = "w:1"
 
@@ -125,14 +126,6 @@ def test_same_engine_scrapes_change_nothing() -> None:
     assert pool.workers[W].engine_restarts == 0
 
 
-async def until(cond, timeout: float = 5.0) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "timed out"
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t0
-
-
 @pytest.mark.parametrize("replay", [True, False])
 async def test_a_restarted_publisher_over_zmq(replay: bool) -> None:
     """A real publisher restarts (numbers from 0, nothing to replay) while the gateway's
@@ -145,14 +138,17 @@ async def test_a_restarted_publisher_over_zmq(replay: bool) -> None:
         try:
             hub.attach(W, Endpoints(pub.endpoint, pub.replay_endpoint, "kv-events"),
                        pool.directory)
-            await until(lambda: pool.directory.mode(W) == "exact" or not replay)
-            await asyncio.sleep(0.3)  # the SUB socket's subscription reaches the publisher
+            await seconds_until(lambda: pool.directory.mode(W) == "exact" or not replay)
+            # The SUB socket's subscription reaching the publisher: nothing shows it (a PUB
+            # socket says nothing of its subscribers), and a probe batch would change the
+            # stream under test, so this one wait stays a fixed one.
+            await asyncio.sleep(0.3)
             for h in range(1, 6):
                 pub.publish([BlockStored((h,))])
-            await until(lambda: len(pool.directory.event_blocks(W)) == 5)
+            await seconds_until(lambda: len(pool.directory.event_blocks(W)) == 5)
             pub.restart()
             pub.publish([BlockStored((100,))])
-            took = await until(lambda: pool.directory.event_blocks(W) == frozenset({100}))
+            took = await seconds_until(lambda: pool.directory.event_blocks(W) == frozenset({100}))
             assert took < 2.0 and hub.status()[W]["restarts"] == 1
             assert pool.directory.mode(W) == "exact"
         finally:

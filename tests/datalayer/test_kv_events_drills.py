@@ -9,8 +9,6 @@ batch, even the last one, is repaired within heartbeat + replay round trip (< BO
 publisher that stops answering is dropped to approximate within stale_after + heartbeat.
 """
 
-import asyncio
-import time
 
 import msgspec
 import pytest
@@ -20,6 +18,8 @@ from cachepilot.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStore
 from cachepilot.datalayer.kv_events import Endpoints, KVEventHub
 from cachepilot.datalayer.kv_wire import decode_batch
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
+
+from helpers.polling import seconds_until
 
 TIMINGS = {"tick": 0.02, "heartbeat_every": 0.2, "replay_timeout": 0.3, "stale_after": 1.0}
 BOUND_S = 1.0  # heartbeat + replay timeout + ticks, with margin for a loaded 2-core machine
@@ -55,16 +55,6 @@ def directory(*workers: str) -> PrefixDirectory:
     return d
 
 
-async def converge(cond, timeout: float = 5.0) -> float:
-    """Seconds until ``cond()`` holds; fails past ``timeout``."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("did not converge")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t0
-
-
 @pytest.fixture
 async def hub():
     h = KVEventHub(**TIMINGS)
@@ -80,16 +70,16 @@ async def test_late_join_and_gaps_converge_to_the_truth(hub: KVEventHub) -> None
     d, eng = directory("w"), Engine()
     eng.store(1, 2, 3)  # before anyone subscribed: only replay can bring it
     hub.attach("w", eng.endpoints(), d)
-    await converge(lambda: synced(d, eng))
+    await seconds_until(lambda: synced(d, eng))
     eng.pub.drop_next(2)  # two batches lost on the live socket ...
     eng.store(4)
     eng.remove(1)
     eng.store(5)  # ... the next one shows the gap
-    t = await converge(lambda: synced(d, eng))
+    t = await seconds_until(lambda: synced(d, eng))
     assert t < BOUND_S
     eng.pub.drop_next(1)
     eng.remove(2)  # the *last* batch lost: nothing later shows a gap; the heartbeat does
-    t = await converge(lambda: synced(d, eng))
+    t = await seconds_until(lambda: synced(d, eng))
     assert t < BOUND_S
     st = hub.status()["w"]
     assert st["gaps"] >= 1 and st["replayed_batches"] >= 3 and st["holes"] == 0
@@ -101,7 +91,7 @@ async def test_subscriber_restart_rebuilds_from_replay() -> None:
     hub = KVEventHub(**TIMINGS)
     hub.attach("w", eng.endpoints(), d)
     eng.store(1, 2)
-    await converge(lambda: synced(d, eng))
+    await seconds_until(lambda: synced(d, eng))
     await hub.stop()  # the gateway goes away ...
     assert d.mode("w") == "approximate"
     eng.remove(1)
@@ -110,7 +100,7 @@ async def test_subscriber_restart_rebuilds_from_replay() -> None:
     d2 = directory("w")
     try:
         hub2.attach("w", eng.endpoints(), d2)
-        t = await converge(lambda: synced(d2, eng))
+        t = await seconds_until(lambda: synced(d2, eng))
         assert t < BOUND_S and hub2.status()["w"]["holes"] == 0
     finally:
         await hub2.stop()
@@ -120,11 +110,11 @@ async def test_worker_restart_that_cleared_its_cache(hub: KVEventHub) -> None:
     d, eng = directory("w"), Engine()
     hub.attach("w", eng.endpoints(), d)
     eng.store(1, 2, 3)
-    await converge(lambda: synced(d, eng))
+    await seconds_until(lambda: synced(d, eng))
     eng.pub.restart()  # a new engine: numbers from 0, an empty cache
     eng.truth.clear()
     eng.store(9)
-    t = await converge(lambda: synced(d, eng))
+    t = await seconds_until(lambda: synced(d, eng))
     assert t < BOUND_S and hub.status()["w"]["restarts"] == 1
     assert d.match([1], ["w"]) == {"w": 0}  # never routed on the old engine's blocks
 
@@ -135,13 +125,13 @@ async def test_an_unfillable_hole_degrades_until_the_engine_clears(hub: KVEventH
         eng.store(k)
     d.insert("w", [100])  # routing-learned
     hub.attach("w", eng.endpoints(), d)
-    await converge(lambda: d.mode("w") == "degraded")
+    await seconds_until(lambda: d.mode("w") == "degraded")
     assert set(d.event_blocks("w")) == {7, 8, 9}  # certain; 0..6 unknown
     assert d.match([7], ["w"]) == {"w": 1} and d.match([100], ["w"]) == {"w": 1}
     assert hub.status()["w"]["holes"] == 1
     eng.clear()
     eng.store(11)
-    await converge(lambda: synced(d, eng))
+    await seconds_until(lambda: synced(d, eng))
     assert d.match([100], ["w"]) == {"w": 0}
 
 
@@ -149,13 +139,13 @@ async def test_silent_publisher_falls_back_then_recovers(hub: KVEventHub) -> Non
     d, eng = directory("w"), Engine()
     hub.attach("w", eng.endpoints(), d)
     eng.store(1)
-    await converge(lambda: synced(d, eng))
+    await seconds_until(lambda: synced(d, eng))
     eng.pub.answer_replays = False  # the engine hangs: heartbeats go unanswered
-    t = await converge(lambda: d.mode("w") == "approximate")
+    t = await seconds_until(lambda: d.mode("w") == "approximate")
     assert t < TIMINGS["stale_after"] + TIMINGS["heartbeat_every"] + BOUND_S
     assert d.event_blocks("w") == frozenset()  # the stale set is not trusted
     eng.pub.answer_replays = True
-    await converge(lambda: synced(d, eng))
+    await seconds_until(lambda: synced(d, eng))
     assert hub.status()["w"]["stale"] == 1
 
 
@@ -165,7 +155,7 @@ async def test_hostile_stream_is_counted_and_isolated(hub: KVEventHub) -> None:
     hub.attach("good", good.endpoints(), d)
     bad.store(1)
     good.store(1, 2)
-    await converge(lambda: synced(d, bad, w="bad") and synced(d, good, w="good"))
+    await seconds_until(lambda: synced(d, bad, w="bad") and synced(d, good, w="good"))
     enc = msgspec.msgpack.encode
     seq = bad.pub.next_seq
     bad.pub.publish_raw([b"kv-events", b"garbage"])  # wrong frame shape
@@ -180,7 +170,7 @@ async def test_hostile_stream_is_counted_and_isolated(hub: KVEventHub) -> None:
     for _ in range(2000):  # a flood of well-formed batches
         bad.store(3)
     good.store(4)
-    await converge(lambda: synced(d, good, w="good") and 3 in d.event_blocks("bad"))
+    await seconds_until(lambda: synced(d, good, w="good") and 3 in d.event_blocks("bad"))
     st = hub.status()["bad"]
     assert st["malformed"] >= 2 and st["skipped_events"] == 3
     assert 5 not in d.event_blocks("bad") and 0 not in d.event_blocks("bad")
@@ -215,12 +205,12 @@ async def test_follow_pools_attaches_and_detaches_as_workers_come_and_go(hub) ->
     sync_pools(hub, {"p": pool}, lambda _p, a: by_addr[a])
     assert hub.workers() == ["10.0.0.1:8000"]
     e1.store(1)
-    await converge(lambda: synced(d, e1, w="10.0.0.1:8000"))
+    await seconds_until(lambda: synced(d, e1, w="10.0.0.1:8000"))
     pool.workers = {"10.0.0.2:8000": object()}  # one pod went, another came
     sync_pools(hub, {"p": pool}, lambda _p, a: by_addr[a])
     assert hub.workers() == ["10.0.0.2:8000"] and d.mode("10.0.0.1:8000") == "approximate"
     e2.store(5)
-    await converge(lambda: synced(d, e2, w="10.0.0.2:8000"))
+    await seconds_until(lambda: synced(d, e2, w="10.0.0.2:8000"))
     ep = port_endpoints(5557, 5558)("p", "10.1.2.3:8000")
     assert (ep.events, ep.replay, ep.topic) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558",
                                                 "kv-events")

@@ -3,9 +3,7 @@ EngineTap → KVEventPublisher), and the gateway's subscriber (datalayer/kv_even
 them into a directory that agrees with the engine: the same blocks, and every prediction
 equal to the engine's own cache lookup, through evictions."""
 
-import asyncio
 import random
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +16,8 @@ from cachepilot.sim.engine import Engine, EngineConfig, EngineRequest
 from cachepilot.tooling.kv_event_publisher import EngineTap, KVEventPublisher
 from cachepilot.tooling.sim_worker import WorkerConfig, make_app
 from cachepilot.tooling.stack import LocalStack, StackConfig
+
+from helpers.polling import eventually, until
 
 BLOCK = BlockConfig(block_size=16)
 
@@ -42,11 +42,10 @@ async def test_gateway_and_simulated_engine_agree_through_evictions() -> None:
         for i in range(60):
             text = rng.choice(docs) + f" question {i} " + "x" * rng.randint(0, 60)
             fp = fingerprint("m", BLOCK, text=text)
-            for _ in range(50):  # let events land, then predict as the gateway would
-                if d.mode("sim") == "exact" and set(d.event_blocks("sim")) == held(engine):
-                    break
-                await asyncio.sleep(0.02)
-            assert set(d.event_blocks("sim")) == held(engine)
+            # Let events land, then predict as the gateway would.
+            await eventually(lambda: d.mode("sim") == "exact"
+                             and set(d.event_blocks("sim")) == held(engine), timeout=5,
+                             what=f"the events of the steps before request {i}")
             predicted = d.match(fp.hashes, ["sim"])["sim"]
             assert predicted == engine.cached_prefix_blocks(fp.hashes)
             checked += 1
@@ -97,12 +96,10 @@ async def test_sim_worker_publishes_what_it_holds_and_the_directory_predicts_cac
     try:
         async with httpx.AsyncClient(timeout=30) as client:
             for i, prompt in enumerate(_prompts(50, 3)):
-                for _ in range(100):  # the last step's events land within a tick or two
-                    if d.mode("w") == "exact" and set(d.event_blocks("w")) == held(
-                            worker.engine):
-                        break
-                    await asyncio.sleep(0.01)
-                assert set(d.event_blocks("w")) == held(worker.engine), f"request {i}"
+                # The last step's events land within a tick or two.
+                await eventually(lambda: d.mode("w") == "exact" and set(d.event_blocks("w"))
+                                 == held(worker.engine), timeout=5, interval=0.01,
+                                 what=f"the events of the steps before request {i}")
                 fp = fingerprint(WORKER.model, block, text=prompt)
                 predicted = _capped(d.match(fp.hashes, ["w"])["w"], max(1, fp.tokens), 16)
                 r = await client.post(url, json={"model": WORKER.model, "prompt": prompt,
@@ -130,33 +127,51 @@ def test_local_stack_with_kv_events_gateway_agrees_with_sim_workers(tmp_path: Pa
                       worker_args=("--num-blocks", "96"), log_dir=str(tmp_path / "logs"))
     with LocalStack(cfg) as stack, httpx.Client(timeout=30) as client:
         assert {a.split(":")[0] for a in stack.worker_addresses} == {"127.0.0.2", "127.0.0.3"}
-        deadline = time.monotonic() + 20
-        while {w["directory_mode"] for w in client.get(f"{stack.admin_url}/workers").json()} \
-                != {"exact"}:
-            assert time.monotonic() < deadline, client.get(f"{stack.admin_url}/workers").text
-            time.sleep(0.1)
+        until(lambda: {w["directory_mode"] for w in client.get(
+            f"{stack.admin_url}/workers").json()} == {"exact"}, 20, "every worker in exact mode",
+            interval=0.1)
+
+        def kv_state() -> tuple[dict[str, list[int]], dict[str, dict]]:
+            """What each worker holds, and what the gateway follows of its events."""
+            held = {a: client.get(f"http://{a}/debug/kv_blocks").json()["blocks"]
+                    for a in stack.worker_addresses}
+            return held, {w["address"]: w["kv_events"]
+                          for w in client.get(f"{stack.admin_url}/workers").json()}
+
+        def events_reached(before: tuple[dict[str, list[int]], dict[str, dict]]) -> bool:
+            """Every worker's blocks are the gateway's event set, and a worker whose blocks
+            changed since ``before`` has had a batch of its events applied since."""
+            held, events = kv_state()
+            for a in stack.worker_addresses:
+                assert events[a]["event_blocks"] == len(held[a]) and (
+                    held[a] == before[0][a]
+                    or (events[a]["next_seq"] or 0) > (before[1][a]["next_seq"] or 0)), \
+                    (a, events[a], len(held[a]))
+            return True
+
         pairs = []
         for prompt in _prompts(40, 5):
+            before = kv_state()
             r = client.post(f"{stack.url}/v1/completions", json={
                 "model": cfg.model, "prompt": prompt, "max_tokens": 2})
             r.raise_for_status()
             got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             rid = r.headers["x-cachepilot-decision-id"]
-            rec = None
-            for _ in range(100):  # the decision log commits in batches
+
+            def record(rid: str = rid) -> dict | None:
                 resp = client.get(f"{stack.admin_url}/decisions/{rid}")
-                rec = resp.json().get("record") if resp.status_code == 200 else None
-                if rec:
-                    break
-                time.sleep(0.05)
-            assert rec is not None, rid
+                return resp.json().get("record") if resp.status_code == 200 else None
+
+            # The decision log commits in batches.
+            rec = until(record, 5, f"decision {rid} in the log", interval=0.05)
             prompt_tokens = r.json()["usage"]["prompt_tokens"]
             predicted = _capped(rec["predicted_cached_tokens"] // 16, prompt_tokens, 16)
             pairs.append((predicted, got))
-            time.sleep(0.05)  # the step's events reach the gateway
+            # The step's events reach the gateway before the next request is routed.
+            until(lambda before=before: events_reached(before), 10,
+                  "the step's events reaching the gateway", retry_on=(AssertionError,))
         assert all(p == g for p, g in pairs), pairs
         assert sum(g > 0 for _, g in pairs) >= 15
-        time.sleep(0.3)
         ws = {w["address"]: w for w in client.get(f"{stack.admin_url}/workers").json()}
         total = 0
         for addr in stack.worker_addresses:  # the policy may keep one worker idle

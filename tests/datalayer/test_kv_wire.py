@@ -9,9 +9,7 @@ of two blocks, a BlockRemoved of the second and an AllBlocksCleared; from G5 on 
 LoRA + cache_salt BlockStored.
 """
 
-import asyncio
 import json
-import time
 
 import msgspec
 import pytest
@@ -29,6 +27,7 @@ from cachepilot.datalayer.kv_wire import MalformedBatch, decode_batch
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 
 from helpers.paths import DATA
+from helpers.polling import eventually
 
 VECTORS = json.loads((DATA / "vllm_kv_event_vectors.json")
                      .read_text())
@@ -121,13 +120,6 @@ def test_an_unreadable_event_is_a_hole_not_nothing() -> None:
     assert d.mode("w") == "exact"
 
 
-async def until(cond, timeout: float = 5.0) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "timed out"
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.parametrize("gen", ["G1", "G3", "G7", "G9"])
 async def test_the_hub_follows_each_format_and_reports_it(gen: str) -> None:
     """A real ZMQ publisher sending one generation's payloads, replay included (the
@@ -143,9 +135,9 @@ async def test_the_hub_follows_each_format_and_reports_it(gen: str) -> None:
         pub.publish_payload(stored_only)  # before the subscriber: replayed
         try:
             hub.attach("w", Endpoints(pub.endpoint, pub.replay_endpoint, "kv-events"), d)
-            await until(lambda: d.mode("w") == "exact" and len(d.event_blocks("w")) == 2)
+            await eventually(lambda: d.mode("w") == "exact" and len(d.event_blocks("w")) == 2)
             pub.publish_payload(payload)  # stored, second removed, all cleared
-            await until(lambda: hub.status()["w"]["next_seq"] == 2)
+            await eventually(lambda: hub.status()["w"]["next_seq"] == 2)
             st = hub.status()["w"]
             assert d.event_blocks("w") == frozenset() and st["mode"] == "exact"
             assert st["wire_format"]["generation"] == EXPECTED[gen]
@@ -167,9 +159,9 @@ async def test_a_format_the_hub_cannot_read_is_an_error_and_a_metric() -> None:
         try:
             hub.attach("w", Endpoints(pub.endpoint, pub.replay_endpoint, "kv-events"),
                        pool.directory)
-            await until(lambda: pool.directory.mode("w") == "exact")
+            await eventually(lambda: pool.directory.mode("w") == "exact")
             pub.publish_payload(future)
-            await until(lambda: hub.status()["w"]["skipped_events"] == 1)
+            await eventually(lambda: hub.status()["w"]["skipped_events"] == 1)
             st = hub.status()["w"]
             assert st["mode"] == "degraded" and "BlockStoredV2" in st["error"]
             metrics = GatewayMetrics()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 from aiohttp import web
 
 from cachepilot.core import BlockConfig, Pool, PoolSpec, Router
 from cachepilot.datalayer.engines import parse_props
 from cachepilot.datalayer.scrape import Scraper, StaticTargets, error_text
+
+from helpers.polling import eventually
 
 METRICS = """# TYPE llamacpp:requests_processing gauge
 llamacpp:requests_processing 1
@@ -111,9 +112,12 @@ def test_a_slow_worker_does_not_delay_the_others_refresh() -> None:
         scraper = Scraper(router, StaticTargets(interval_s=0.1, timeout_s=1.0))
         task = asyncio.create_task(scraper.run())
         try:
-            await asyncio.sleep(2.5)
             fast_w, slow_w = pool.workers[addrs[0]], pool.workers[addrs[1]]
-            assert scraper.scrapes[addrs[0]] >= 10  # ~every 0.1 s, not every 1 s
+            # Within 2.5 s the hung worker's scrape has timed out (1 s), and the fast one is
+            # scraped ~every 0.1 s meanwhile, not every 1 s.
+            await eventually(lambda: scraper.scrapes[addrs[0]] >= 10
+                             and "TimeoutError" in slow_w.down.get("scrape", ""), timeout=2.5,
+                             what="10 scrapes of the fast worker, the slow one's timed out")
             assert time.time() - fast_w.metrics.scraped_at < 0.5  # type: ignore[union-attr]
             assert not slow_w.ready and "TimeoutError" in slow_w.down["scrape"]
         finally:
@@ -122,13 +126,6 @@ def test_a_slow_worker_does_not_delay_the_others_refresh() -> None:
             for runner, _ in servers:
                 await runner.cleanup()
     asyncio.run(main())
-
-
-async def _poll(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not in 10 s"
-        await asyncio.sleep(0.02)
 
 
 def test_only_ready_workers_are_scraped_and_a_joining_one_at_once() -> None:
@@ -144,11 +141,11 @@ def test_only_ready_workers_are_scraped_and_a_joining_one_at_once() -> None:
             pool.set_ready(addr, True)
             # It just joined: scraped now, not after an hour's interval...
             scraper.scrape_soon("default", addr)
-            await _poll(lambda: scraper.scrapes.get(addr) == 1, "the first scrape")
+            await eventually(lambda: scraper.scrapes.get(addr) == 1, what="the first scrape")
             assert pool.workers[addr].metrics.slots == 4  # type: ignore[union-attr]
             # ...and asked again (it became ready again), its sleeping loop scrapes at once.
             scraper.scrape_soon("default", addr)
-            await _poll(lambda: scraper.scrapes.get(addr) == 2, "the second scrape")
+            await eventually(lambda: scraper.scrapes.get(addr) == 2, what="the second scrape")
         finally:
             await scraper.close()
             await runner.cleanup()

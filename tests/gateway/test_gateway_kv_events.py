@@ -3,9 +3,7 @@ the engine's block set, and /workers and /pools say each worker's mode."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import aiohttp
 
@@ -17,6 +15,8 @@ from cachepilot.datalayer.kv_events import port_endpoints
 from cachepilot.gateway.server import Gateway, GatewayConfig
 from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 from cachepilot.tooling.stack import free_port_pair
+
+from helpers.polling import eventually
 
 
 async def test_the_gateway_attaches_to_each_workers_events_and_reports_the_mode() -> None:
@@ -33,11 +33,15 @@ async def test_the_gateway_attaches_to_each_workers_events_and_reports_the_mode(
     try:
         pub.publish([BlockStored((11, 12, 13))])
         pool = router.pools["default"]
-        deadline = time.monotonic() + 10
-        while pool.directory.match([11, 12, 13], [worker])[worker] != 3:
-            assert time.monotonic() < deadline, "the events never reached the directory"
+
+        def arrived() -> bool:
+            if pool.directory.match([11, 12, 13], [worker])[worker] == 3:
+                return True
             pub.publish([])  # heartbeat-like traffic until the subscription is up
-            await asyncio.sleep(0.1)
+            return False
+
+        await eventually(arrived, timeout=10, interval=0.1, retry_on=(),
+                         what="the events reaching the directory")
         async with aiohttp.ClientSession() as s:
             base = f"http://127.0.0.1:{gw.admin_port}"
             async with s.get(f"{base}/workers") as r:

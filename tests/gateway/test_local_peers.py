@@ -13,6 +13,8 @@ from cachepilot.core.sync import Finished, InFlight, Placed, ReplicaSync
 from cachepilot.core.workers import WorkerMetrics
 from cachepilot.gateway.local_peers import EVENTS, LocalPeers, decode, encode
 
+from helpers.polling import eventually
+
 WORKERS = ["127.0.0.1:8001", "127.0.0.1:8002"]
 
 
@@ -44,13 +46,6 @@ def router(name: str):  # type: ignore[no-untyped-def]
     return r, sync
 
 
-async def until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_processes_see_each_others_placements_bookings_and_history() -> None:
     async def run() -> None:
         group = f"test-{os.getpid()}-{os.urandom(2).hex()}"
@@ -63,16 +58,16 @@ def test_processes_see_each_others_placements_bookings_and_history() -> None:
         d = ra.route(req, 0.1)
         fp = ra.fingerprint(req, ra.pools["default"])
         pool_b = rb.pools["default"]
-        await until(lambda: pool_b.workers[d.chosen].inflight == 1)
+        await eventually(lambda: pool_b.workers[d.chosen].inflight == 1)
         assert pool_b.directory.match(fp.hashes, WORKERS)[d.chosen] == fp.blocks
         # A process started later catches up from a snapshot.
         c = LocalPeers(rc, sc, group, 2, 3)
         await c.start()
         pool_c = rc.pools["default"]
-        await until(lambda: pool_c.directory.match(fp.hashes, WORKERS)[d.chosen] == fp.blocks)
+        await eventually(lambda: pool_c.directory.match(fp.hashes, WORKERS)[d.chosen] == fp.blocks)
         ra.release(d)
-        await until(lambda: pool_b.workers[d.chosen].inflight == 0)
-        await until(lambda: a.status()["connected_peers"] == [1, 2])
+        await eventually(lambda: pool_b.workers[d.chosen].inflight == 0)
+        await eventually(lambda: a.status()["connected_peers"] == [1, 2])
         for p in (a, b, c):
             await p.stop()
 

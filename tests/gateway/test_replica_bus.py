@@ -4,13 +4,12 @@ caught up after, garbage is counted, and without a bus routing goes on."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from cachepilot.core.sync import Finished, Placed, ReplicaSync
 from cachepilot.gateway.replica_bus import ReplicaBus, decode, encode_parts
 from cachepilot.tooling.stack import free_port
 
+from helpers.polling import eventually
 from helpers.routers import make_router
 
 NATS = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which(
@@ -39,13 +39,14 @@ class NatsServer:
     async def start(self) -> None:
         self.proc = subprocess.Popen([str(NATS), "-a", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                await asyncio.sleep(0.05)
+        await eventually(self.listening, timeout=10, interval=0.05, what="nats-server listening")
+
+    def listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+        except OSError:
+            return False
+        return True
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -73,15 +74,8 @@ async def replica(name: str, url: str) -> tuple[Router, ReplicaSync, ReplicaBus]
     router.add_plugin(sync)
     bus = ReplicaBus(router, sync, url, catch_up_s=0.3)
     await bus.start()
-    await until(lambda: bus.connected)
+    await eventually(lambda: bus.connected)
     return router, sync, bus
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_placements_and_bookings_reach_the_other_replicas(nats_url: str) -> None:
@@ -89,16 +83,16 @@ async def test_placements_and_bookings_reach_the_other_replicas(nats_url: str) -
     try:
         d = ra.route(InferenceRequest(model="m", prompt=DOC + "q1"), time.time())
         w = rb.pools["default"].workers[d.chosen]
-        await until(lambda: w.inflight == 1 and w.pending_requests == 1)
+        await eventually(lambda: w.inflight == 1 and w.pending_requests == 1)
         fp = rb.fingerprint(InferenceRequest(model="m", prompt=DOC + "q2"), rb.pools["default"])
         assert rb.pools["default"].directory.match(fp.hashes, [d.chosen])[d.chosen] > 0
         ra.first_token(d, 40.0)
         ra.release(d, Outcome(status=200))
-        await until(lambda: w.inflight == 0 and sb.remote_bookings() == 0)
+        await eventually(lambda: w.inflight == 0 and sb.remote_bookings() == 0)
         # A late joiner catches up on where the prefix is, with no booking left over.
         rc, sc, bus_c = await replica("c", nats_url)
         pool_c = rc.pools["default"]
-        await until(lambda: bus_c.counters.caught_up_events > 0)
+        await eventually(lambda: bus_c.counters.caught_up_events > 0)
         assert pool_c.directory.match(fp.hashes, [d.chosen])[d.chosen] > 0
         assert sc.remote_bookings() == 0
         await bus_c.stop()
@@ -113,12 +107,12 @@ async def test_a_lost_end_is_healed_by_the_next_heartbeat_not_the_ttl(nats_url: 
     try:
         d = ra.route(InferenceRequest(model="m", prompt=DOC + "q1"), time.time())
         w = rb.pools["default"].workers[d.chosen]
-        await until(lambda: w.inflight == 1)
+        await eventually(lambda: w.inflight == 1)
         ra.release(d, Outcome(status=200))
         lost = sa.drain()  # the Finished never leaves: a message lost on the way
         assert any(isinstance(e, Finished) for e in lost)
         t0 = time.monotonic()
-        await until(lambda: w.inflight == 0 and sb.remote_bookings() == 0, timeout=5)
+        await eventually(lambda: w.inflight == 0 and sb.remote_bookings() == 0, timeout=5)
         assert time.monotonic() - t0 < 3 * bus_a.heartbeat_s + 1 < sb.booking_ttl_s
     finally:
         await bus_a.stop()
@@ -131,7 +125,7 @@ async def test_after_a_bus_outage_the_replicas_catch_up_what_they_missed(
                                           for n in ("a", "b")]
     try:
         nats_server.stop()
-        await until(lambda: not bus_a.connected and not bus_b.connected)
+        await eventually(lambda: not bus_a.connected and not bus_b.connected)
         # Routed while the bus is down: b cannot hear of it now.
         other = "another document entirely " * 60
         d = ra.route(InferenceRequest(model="m", prompt=other + "q1"), time.time())
@@ -139,8 +133,8 @@ async def test_after_a_bus_outage_the_replicas_catch_up_what_they_missed(
                             rb.pools["default"])
         assert rb.pools["default"].directory.match(fp.hashes, [d.chosen])[d.chosen] == 0
         await nats_server.start()
-        await until(lambda: bus_a.connected and bus_b.connected, timeout=10)
-        await until(lambda: rb.pools["default"].directory.match(
+        await eventually(lambda: bus_a.connected and bus_b.connected, timeout=10)
+        await eventually(lambda: rb.pools["default"].directory.match(
             fp.hashes, [d.chosen])[d.chosen] > 0, timeout=5)
         assert rb.pools["default"].workers[d.chosen].inflight == 1
         assert bus_b.counters.reconnects >= 1 and bus_b.counters.catch_ups >= 2
@@ -166,7 +160,7 @@ async def test_garbage_on_the_subject_is_counted_and_skipped(nats_url: str) -> N
         for data in (b"not json", b'{"kind": "placed"}', b'[{"kind": "placed"}]', b"[1]"):
             await nc.publish("cachepilot.sync", data)
         await nc.flush()
-        await until(lambda: bus.counters.bad == 4)
+        await eventually(lambda: bus.counters.bad == 4)
         await nc.close()
     finally:
         await bus.stop()

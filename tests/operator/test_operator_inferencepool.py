@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import kmock as K
@@ -217,11 +216,15 @@ async def test_kv_event_publishers_are_followed_as_pods_come_and_go(cluster: Clu
             assert sources("p", "127.0.0.2:8000") is None
             # The engine's events reach the pool's directory: exact mode.
             directory = router.pools["p"].directory
-            deadline = time.monotonic() + 10
-            while directory.match([11, 12, 13], ["127.0.0.1:8000"])["127.0.0.1:8000"] != 3:
-                assert time.monotonic() < deadline, "the events never reached the directory"
-                pub.publish([BlockStored((11, 12, 13))])
-                await asyncio.sleep(0.1)
+
+            def arrived() -> bool:
+                if directory.match([11, 12, 13], ["127.0.0.1:8000"])["127.0.0.1:8000"] == 3:
+                    return True
+                pub.publish([BlockStored((11, 12, 13))])  # until the subscription is up
+                return False
+
+            await eventually(arrived, timeout=10, interval=0.1, retry_on=(),
+                             what="the events reaching the directory")
             await eventually(lambda: hub.mode("127.0.0.1:8000") == "exact")
             # The pool's status says which workers' directories follow their events.
             await eventually(lambda: {w["pod"]: w.get("directoryMode")

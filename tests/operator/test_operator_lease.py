@@ -56,8 +56,7 @@ async def test_takeover_waits_for_an_expired_lease(kmock: K.KubernetesEmulator,
         await asyncio.sleep(0.06)
     # a stops renewing (crashed): b takes over once it has seen no change for 0.6 s.
     started = time.monotonic()
-    while not await b.try_acquire_or_renew():
-        await asyncio.sleep(0.02)
+    await eventually(b.try_acquire_or_renew, retry_on=(), what="b taking the lease over")
     assert time.monotonic() - started >= 0.55
     lease = kmock.objects["coordination.k8s.io/v1/leases", NS, "lead"].raw["spec"]
     assert lease["holderIdentity"] == "b" and lease["leaseTransitions"] == 1

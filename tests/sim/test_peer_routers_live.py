@@ -34,6 +34,8 @@ from aiohttp import web
 
 from cachepilot.tooling.stack import free_port
 
+from helpers.polling import eventually
+
 HOLD = "[[hold]]"
 MODEL = "fake-model"
 
@@ -68,6 +70,7 @@ class Workers:
     names: list[str] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
     seen: list[tuple[str, str]] = field(default_factory=list)
+    health_checked: set[str] = field(default_factory=set)  # workers asked GET /health
     release: asyncio.Event = field(default_factory=asyncio.Event)
     _runners: list[web.AppRunner] = field(default_factory=list)
 
@@ -99,7 +102,9 @@ class Workers:
             return web.json_response({"object": "list", "data": [
                 {"id": MODEL, "object": "model", "owned_by": "x", "max_model_len": 1 << 20}]})
 
-        async def ok(_: web.Request) -> web.Response:
+        async def ok(request: web.Request) -> web.Response:
+            if request.path == "/health":
+                self.health_checked.add(name)
             return web.json_response({"model_path": MODEL, "served_model_name": MODEL})
 
         app = web.Application(client_max_size=64 << 20)
@@ -150,11 +155,9 @@ class Router:
         """A completion the worker holds (it stays in flight): the worker it reached."""
         before = len(self.workers.seen)
         self.held.append(asyncio.create_task(self.send(prompt + HOLD)))
-        for _ in range(500):
-            if len(self.workers.seen) > before:
-                return self.workers.seen[-1][0]
-            await asyncio.sleep(0.01)
-        raise AssertionError("the held request reached no worker")
+        await eventually(lambda: len(self.workers.seen) > before, timeout=5, interval=0.01,
+                         what="the held request reaching a worker")
+        return self.workers.seen[-1][0]
 
 
 @contextlib.asynccontextmanager
@@ -175,14 +178,19 @@ async def running(kind: str, policy: str, tokenize: str) -> AsyncIterator[Router
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
             router = Router(f"http://127.0.0.1:{port}", http, workers)
-            for _ in range(300):
+
+            async def serving() -> bool:
                 assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
                 with contextlib.suppress(aiohttp.ClientError):
                     async with http.get(f"{router.base}/v1/models") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(1.0)  # its first health checks
+                        return r.status == 200
+                return False
+
+            await eventually(serving, timeout=30, interval=0.1, retry_on=(),
+                             what=f"{kind}-router serving")
+            # Its first health checks: every worker has been asked.
+            await eventually(lambda: workers.health_checked == set(workers.names),
+                             what=f"{kind}-router's health check of every worker")
             try:
                 yield router
             finally:

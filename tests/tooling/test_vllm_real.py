@@ -42,6 +42,7 @@ from cachepilot.tooling.vllm.lora import write_adapter
 from cachepilot.tooling.vllm.worker import CHAT_TEMPLATE, VllmWorkers, VllmWorkerSpec
 
 from helpers.chat_corpus import conversation, session
+from helpers.polling import seconds_until
 from helpers.vllm_env import SHARED, VENV, prepared_model
 
 pytestmark = pytest.mark.slow
@@ -63,14 +64,6 @@ def engine(tmp_path_factory):
         yield workers, spec, hf, adapter
     finally:
         workers.stop()
-
-
-async def until(cond, timeout: float) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "timed out"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def cached(r: httpx.Response) -> tuple[int, int]:
@@ -101,7 +94,7 @@ async def test_hashes_events_and_cached_tokens_are_exact(engine) -> None:
     try:
         d.add_worker(w.address)
         hub.attach(w.address, Endpoints(w.events_endpoint, w.replay_endpoint, "kv-events"), d)
-        await until(lambda: d.mode(w.address) == "exact", 20)
+        await seconds_until(lambda: d.mode(w.address) == "exact", 20)
         got = []
         async with httpx.AsyncClient(base_url=f"http://{w.address}", timeout=120) as client:
             for k, prompt in enumerate(prompts):
@@ -115,7 +108,7 @@ async def test_hashes_events_and_cached_tokens_are_exact(engine) -> None:
                 got.append((predicted, measured))
                 # The engine's events name exactly the full blocks of every prompt sent.
                 want = set().union(*map(set, hashes[:k + 1]))
-                await until(lambda want=want: set(d.event_blocks(w.address)) == want, 20)
+                await seconds_until(lambda want=want: set(d.event_blocks(w.address)) == want, 20)
         print(f"\nprompt tokens {[len(i) for i in ids]}, blocks {[len(h) for h in hashes]}, "
               f"shared {shared_blocks}; (predicted, measured) cached_tokens {got}")
         assert got == [(0, 0), (shared_blocks * bs, shared_blocks * bs)]
@@ -165,7 +158,7 @@ async def test_chat_renders_tokenizes_and_hashes_as_the_engine(engine) -> None:
     rows = []
     try:
         hub.attach(w.address, Endpoints(w.events_endpoint, w.replay_endpoint, "kv-events"), d)
-        await until(lambda: d.mode(w.address) == "exact", 20)
+        await seconds_until(lambda: d.mode(w.address) == "exact", 20)
         before = set(d.event_blocks(w.address))
         async with httpx.AsyncClient(base_url=f"http://{w.address}", timeout=300) as client:
             for s in range(6):
@@ -185,7 +178,7 @@ async def test_chat_renders_tokenizes_and_hashes_as_the_engine(engine) -> None:
                     rows.append((s, len(p.token_ids), predicted, measured))
                     assert n == len(p.token_ids) and predicted == measured, rows
                     ours_all |= set(hashes)
-                    await until(lambda want=frozenset(ours_all): want <= d.event_blocks(
+                    await seconds_until(lambda want=frozenset(ours_all): want <= d.event_blocks(
                         w.address), 30)
         assert set(d.event_blocks(w.address)) == before | ours_all  # nothing else either
         print(f"sessions (session, prompt tokens, predicted, measured cached): {rows}")
@@ -218,30 +211,32 @@ async def test_kill_9_and_restart_loses_the_blocks(engine) -> None:
     try:
         for router, *_ in views:
             pool = router.pools["default"]
-            await until(lambda pool=pool: pool.workers[w.address].metrics is not None, 20)
+            await seconds_until(lambda pool=pool: pool.workers[w.address].metrics is not None, 20)
         async with httpx.AsyncClient(base_url=f"http://{w.address}", timeout=300) as client:
             _, measured = cached(await client.post("/v1/chat/completions", json=request))
         old = views[0][0].fingerprint(req, views[0][0].pools["default"]).hashes
         for router, *_ in views:
             d = router.pools["default"].directory
             router.route(req, now=time.time())  # the routing-learned set holds them too
-            await until(lambda d=d: set(old) <= d.event_blocks(w.address), 30)
+            await seconds_until(lambda d=d: set(old) <= d.event_blocks(w.address), 30)
             assert d.match(old, [w.address])[w.address] == len(old)
         start = views[0][0].pools["default"].workers[w.address].metrics.process_start
 
         await asyncio.to_thread(workers.kill, 0)
-        await asyncio.sleep(2.0)  # a few failed scrapes: the worker is down meanwhile
+        # A failed scrape in each view: the worker is down meanwhile.
+        await seconds_until(lambda: all("scrape" in router.pools["default"].workers[
+            w.address].down for router, *_ in views), 30)
         await asyncio.to_thread(workers.respawn, 0)
         await asyncio.to_thread(workers.wait_ready, 400.0)
         for router, hub, *_ in views:
             pool = router.pools["default"]
             ws = pool.workers[w.address]
             # The first scrape of the new process (or its first event) …
-            await until(lambda ws=ws: ws.metrics is not None and ws.metrics.process_start
+            await seconds_until(lambda ws=ws: ws.metrics is not None and ws.metrics.process_start
                         not in (None, start) and ws.ready, 30)
             seen = time.monotonic()
             # … and within 2 s no block of the old process is left, in either set.
-            took = await until(lambda pool=pool: not set(old) & pool.directory.event_blocks(
+            took = await seconds_until(lambda pool=pool: not set(old) & pool.directory.event_blocks(
                 w.address) and pool.directory.match(old, [w.address], learned_only=True)[
                 w.address] == 0, 2.0)
             d = router.route(req, now=time.time())
@@ -256,7 +251,7 @@ async def test_kill_9_and_restart_loses_the_blocks(engine) -> None:
         assert measured == 0  # the engine lost them indeed
         for router, hub, *_ in views:  # and the new engine's blocks are followed again
             d = router.pools["default"].directory
-            await until(lambda d=d: set(old) <= d.event_blocks(w.address), 30)
+            await seconds_until(lambda d=d: set(old) <= d.event_blocks(w.address), 30)
             assert d.mode(w.address) == "exact", hub.status()
     finally:
         for _, hub, scraper, task in views:

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,6 +26,7 @@ from cachepilot.datalayer.model_files import load_prompts
 from cachepilot.tooling.vllm import model
 from cachepilot.tooling.vllm.worker import CHAT_TEMPLATE, HASH_SEED
 
+from helpers.polling import until
 from helpers.vllm_env import SHARED, VENV, prepared_model
 
 
@@ -67,11 +67,11 @@ def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
                                  "--port", "0"], stdout=sink, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while "CachePilot is up" not in out.read_text():
+        def up() -> bool:
             assert proc.poll() is None, out.read_text()
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(1)
+            return "CachePilot is up" in out.read_text()
+
+        until(up, 600, "CachePilot up", interval=1)
         text = out.read_text()
         url = re.search(r"CachePilot is up: (http://\S+)/v1", text)[1]
         admin = re.search(r"gateway admin: (http://\S+)/workers", text)[1]
@@ -91,8 +91,14 @@ def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
             # it where the engine announced them, and the engine has them all.
             assert got[0][1] == 0 and got[1][1] == shared * 32, got
             assert got[0][0] == got[1][0] and got[0][0], got
-            time.sleep(2)  # the second prompt's new blocks are announced after its step
-            ws = {w["address"]: w for w in client.get(f"{admin}/workers").json()}
+            # The second prompt's new blocks are announced after its step.
+            want = len(set(hashes[0]) | set(hashes[1]))
+
+            def announced() -> dict[str, dict]:
+                ws = {w["address"]: w for w in client.get(f"{admin}/workers").json()}
+                return ws if ws[got[0][0]]["kv_events"]["event_blocks"] == want else {}
+
+            ws = until(announced, 30, "the second prompt's blocks announced", interval=0.1)
             # Chat: a conversation and its next turn, rendered by the gateway with the same
             # template the workers got: routed to its prefix, hit as predicted.
             chats = []
@@ -104,7 +110,6 @@ def test_up_engine_vllm_routes_on_exact_events(tmp_path: Path) -> None:
                 chats.append((r.headers.get("x-cachepilot-worker"),
                               r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0))
         held = ws[got[0][0]]["kv_events"]
-        want = len(set(hashes[0]) | set(hashes[1]))
         assert held["mode"] == "exact" and held["event_blocks"] == want, held
         assert held["wire_format"]["generation"] == "G8" and held["error"] is None
         assert chats[0][0] == chats[1][0] and chats[1][1] == chat_shared * 32, chats
