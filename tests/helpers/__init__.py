@@ -2,12 +2,18 @@
 test module or a conftest (tests/test_layout.py checks). Imported as ``helpers`` (pytest's
 ``pythonpath`` in pyproject.toml puts tests/ on the path).
 
-* :mod:`helpers.polling`: waiting for a condition (``until``, ``eventually``), never for a
-  fixed time.
+* :mod:`helpers.polling`: waiting for a condition (``until``, ``eventually``,
+  ``seconds_until``, ``holds_for``), never for a fixed time.
+* :mod:`helpers.paths`: the repository's root and tests/data/.
 * :mod:`helpers.routers`: a router over three workers (``make_router``, ``WORKERS``).
 * :mod:`helpers.tools`: whether a binary (Envoy, Helm…) is there to run.
 * :mod:`helpers.kube`: the kopf operator against KMock (the cluster, pods, pools).
 * :mod:`helpers.schemas`: the CRDs' schemas as validators, an InferencePool's body.
-* the rest: fixtures of one subject each (ext_proc messages, a gateway without gRPC or in a
-  thread, EPPs for the conformance suite, live metric scrapes, the vLLM environment…).
+* :mod:`helpers.records`: a router and its decisions for the decision-log tests.
+* the rest, one subject each: ext_proc messages (``extproc_msgs``), a gateway without gRPC
+  (``gateway_box``) or in a thread (``gateway_thread``), EPPs for the conformance suite
+  (``independent_epp``, ``broken_epps``), live metric scrapes (``metrics_live``), the
+  simulator's calls into the core (``sim_calls``), the flow-control drill's traffic
+  (``flow_drill``), chat conversations (``chat_corpus``) and the vLLM environment
+  (``vllm_env``).
 """
