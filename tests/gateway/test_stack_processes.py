@@ -12,6 +12,7 @@ import pytest
 from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig
 
+from helpers.delivery import delivered, quiet
 from helpers.polling import until
 from helpers.tools import have_envoy
 
@@ -37,20 +38,6 @@ def event_counts(stack: LocalStack) -> list[tuple[int, int]]:
     return [(p["sent_events"], p["received_events"]) for p in status(stack, "/replicas")]
 
 
-def delivered(stack: LocalStack, before: list[tuple[int, int]]) -> None:
-    """Until a process has sent something since ``before`` (the request's placement) and
-    each has received what the others sent since."""
-    def check() -> bool:
-        now = event_counts(stack)
-        sent = [s - s0 for (s, _), (s0, _) in zip(now, before, strict=True)]
-        assert sum(sent) and all(
-            r - r0 >= sum(sent) - sent[i]
-            for i, ((_, r), (_, r0)) in enumerate(zip(now, before, strict=True))), (before, now)
-        return True
-    until(check, 10, "the other process hearing of the placement",
-          retry_on=(AssertionError,))
-
-
 def test_two_processes_route_as_one() -> None:
     stack = LocalStack(StackConfig(workers=3, speed=50.0, processes=2)).start(timeout_s=90)
     try:
@@ -60,7 +47,7 @@ def test_two_processes_route_as_one() -> None:
             by_process: dict[str, int] = {}
             chosen = set()
             for i in range(12):
-                before = event_counts(stack)
+                before = quiet(lambda: event_counts(stack))
                 r = client.post(f"{stack.url}/v1/completions", json={
                     "model": stack.config.model, "max_tokens": 2,
                     "prompt": "a long shared document " * 300 + f"question {i}"})
@@ -68,7 +55,8 @@ def test_two_processes_route_as_one() -> None:
                 owner = r.headers["x-cachepilot-decision-id"].split(".")[0]
                 by_process[owner] = by_process.get(owner, 0) + 1
                 chosen.add(r.headers["x-cachepilot-worker"])
-                delivered(stack, before)  # the other process hears of the placement
+                # The other process hears of the placement.
+                delivered(lambda: event_counts(stack), before, what="the other process hearing")
             assert set(by_process) == {"p0", "p1"}  # Envoy spread the routing streams
             assert len(chosen) == 1  # one prefix, one worker, whichever process routed it
         settle(stack)  # each process released its own requests: the observation came back

@@ -13,6 +13,7 @@ import pytest
 from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig, nats_binary
 
+from helpers.delivery import delivered, quiet
 from helpers.polling import until
 
 try:
@@ -32,7 +33,7 @@ def workers_for(stack: LocalStack, client: httpx.Client, name: str, n: int,
     x-cachepilot-worker)."""
     out, ids = [], []
     for i in range(n):
-        before = bus_counts(stack)
+        before = quiet(lambda: bus_counts(stack)) if bus else []
         r = client.post(f"{stack.url}/v1/completions",
                         json={"model": stack.config.model, "prompt": f"{doc(name)} q{i}",
                               "max_tokens": 2})
@@ -40,7 +41,9 @@ def workers_for(stack: LocalStack, client: httpx.Client, name: str, n: int,
         out.append(r.headers["x-cachepilot-worker"])
         ids.append(r.headers["x-cachepilot-decision-id"])
         if bus:
-            delivered(stack, before)
+            # Delivery waited for, not guessed: with a fixed 50-ms sleep a prefix once split
+            # over two workers on a loaded CI machine (a late delivery the likely cause).
+            delivered(lambda: bus_counts(stack), before, what="the bus delivering")
         else:
             time.sleep(0.05)
     _decisions[name] = ids
@@ -49,23 +52,8 @@ def workers_for(stack: LocalStack, client: httpx.Client, name: str, n: int,
 
 def bus_counts(stack: LocalStack) -> list[tuple[int, int]]:
     """Each replica's (messages published, messages received from the others)."""
-    return [(s["published"], s["received"]) for s in replicas_status(stack)]
-
-
-def delivered(stack: LocalStack, before: list[tuple[int, int]], timeout_s: float = 10.0) -> None:
-    """Until the request's placement is published (a message since ``before``) and every
-    replica has received what the others published since: delivery waited for, not guessed.
-    With a fixed 50-ms sleep a prefix once split over two workers on a loaded CI machine;
-    a late delivery is the likely cause (not reproduced here)."""
-    def check() -> bool:
-        now = bus_counts(stack)
-        sent = [p - p0 for (p, _), (p0, _) in zip(now, before, strict=True)]
-        assert sum(sent) and all(
-            r - r0 >= sum(sent) - sent[i]
-            for i, ((_, r), (_, r0)) in enumerate(zip(now, before, strict=True))), \
-            f"{before} → {now}"
-        return True
-    until(check, timeout_s, "the bus delivering", retry_on=(AssertionError,))
+    return [(s["published"], s["received"]) for s in
+            (json.loads(http_get(f"{a}/replicas")[1]) for a in admins(stack))]
 
 
 _decisions: dict[str, list[str]] = {}
@@ -74,10 +62,9 @@ _decisions: dict[str, list[str]] = {}
 def why(stack: LocalStack, name: str) -> str:
     """The explanation of each decision for document ``name``, from whichever replica made
     it: what a failed assertion shows (a split is timing-dependent, hard to reproduce)."""
-    admins = [stack.admin_url] + [f"http://127.0.0.1:{a}" for _, a in stack.replica_ports]
     out = []
     for i, decision in enumerate(_decisions.get(name, [])):
-        for admin in admins:
+        for admin in admins(stack):
             status, body = http_get(f"{admin}/decisions/{decision}")
             if status == 200:
                 out.append(f"#{i} via {admin}: {json.loads(body)['explanation']}")
@@ -85,10 +72,14 @@ def why(stack: LocalStack, name: str) -> str:
     return "\n".join(out)
 
 
+def admins(stack: LocalStack) -> list[str]:
+    return [stack.admin_url] + [f"http://127.0.0.1:{a}" for _, a in stack.replica_ports]
+
+
 def replicas_status(stack: LocalStack) -> list[dict]:
-    admins = [stack.admin_url] + [f"http://127.0.0.1:{a}" for _, a in stack.replica_ports]
     return [json.loads(http_get(f"{a}/replicas")[1]) | {
-        "decisions": json.loads(http_get(f"{a}/pools")[1])[0]["decisions"]} for a in admins]
+        "decisions": json.loads(http_get(f"{a}/pools")[1])[0]["decisions"]}
+        for a in admins(stack)]
 
 
 def test_a_prefix_lands_on_one_worker_whichever_replica_routes_it_even_across_a_bus_outage(
@@ -102,15 +93,22 @@ def test_a_prefix_lands_on_one_worker_whichever_replica_routes_it_even_across_a_
         stack.stop()
 
 
-def connected(stack: LocalStack, timeout_s: float = 20.0) -> None:
-    """Until every replica is on the bus, subscribed and publishing (a replica routes alone
-    before): its first catch-up starts once it is (there is nothing to catch up yet)."""
-    until(lambda: all(s["connected"] and s["catch_ups"] >= 1 for s in replicas_status(stack)),
-          timeout_s, "every replica on the bus", interval=0.2)
+def caught_up(stack: LocalStack, catch_ups: int, timeout_s: float = 20.0) -> None:
+    """Until every replica is on the bus and has caught up (a replica routes alone before).
+    A replica starts a catch-up once it is subscribed (on connecting, and again on each
+    reconnect): it asks the others for their placements, gathers their replies for a window
+    (0.5 s), then applies them. The start is waited for; the end shows nowhere, so the
+    window is waited out, as a TTL would be (a placement routed meanwhile may come back in a
+    reply as still in flight, a booking that lingers until the next heartbeat)."""
+    until(lambda: all(s["connected"] and s["catch_ups"] >= catch_ups
+                      for s in replicas_status(stack)),
+          timeout_s, f"every replica on the bus and its catch-up {catch_ups} started",
+          interval=0.2)
+    time.sleep(1.0)
 
 
 def _drill(stack: LocalStack) -> None:
-    connected(stack)
+    caught_up(stack, 1)
     with httpx.Client(timeout=30) as client:
         assert len(set(workers_for(stack, client, "alpha", 10))) == 1, why(stack, "alpha")
         status = replicas_status(stack)
@@ -126,12 +124,8 @@ def _drill(stack: LocalStack) -> None:
         print(f"bus down: 'beta' placed on {len(set(beta))} worker(s) by 2 replicas")
         # It comes back on the same port: they reconnect and agree again.
         stack.processes.spawn("nats", nats_args)
-        until(lambda: all(s["connected"] and s["reconnects"] >= 1 and s["catch_ups"] >= 2
-                          for s in replicas_status(stack)),
-              15, "every replica reconnected and catching up", interval=0.2)
-        # A catch-up gathers the others' replies for its window (0.5 s), then applies them:
-        # its end is not observable, so it is waited out, as a TTL would be.
-        time.sleep(1.0)
+        caught_up(stack, 2, timeout_s=15)
+        assert all(s["reconnects"] >= 1 for s in replicas_status(stack))
         assert len(set(workers_for(stack, client, "gamma", 8))) == 1, why(stack, "gamma")
         # What was placed during the outage is known to both again.
         assert set(workers_for(stack, client, "beta", 6)) <= set(beta)
