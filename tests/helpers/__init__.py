@@ -10,6 +10,7 @@ test module or a conftest (tests/test_layout.py checks). Imported as ``helpers``
 * :mod:`helpers.kube`: the kopf operator against KMock (the cluster, pods, pools).
 * :mod:`helpers.schemas`: the CRDs' schemas as validators, an InferencePool's body.
 * :mod:`helpers.records`: a router and its decisions for the decision-log tests.
+* :mod:`helpers.delivery`: whether replicas' (or processes') messages to each other arrived.
 * the rest, one subject each: ext_proc messages (``extproc_msgs``), a gateway without gRPC
   (``gateway_box``) or in a thread (``gateway_thread``), EPPs for the conformance suite
   (``independent_epp``, ``broken_epps``), live metric scrapes (``metrics_live``), the
