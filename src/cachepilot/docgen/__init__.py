@@ -3,7 +3,7 @@
 ``docs/hooks/reference.py`` (a MkDocs hook) adds every page in :data:`PAGES` to the build,
 so the CLI, CRD, Helm values, metrics, HTTP and decision-record references cannot drift
 from the code; ``python -m cachepilot.docgen OUT`` writes them to a folder to read them
-without MkDocs. ``tests/test_docgen.py`` checks that they cover every command, CRD field,
+without MkDocs. ``tests/docgen/test_docgen.py`` checks that they cover every command, CRD field,
 Helm value, metric, header and record field. This package sits on top of the layers: it
 reads the CLI, the operator's CRD, the gateway's registries and the records' schema.
 """

@@ -14,7 +14,7 @@ from cachepilot.gateway.errors import ENVOY, GATEWAY, by_source
 PATH = "reference/http.md"
 
 # protocol.py constant → (where it appears, what it means). Every *_HEADER constant must be
-# here (tests/test_docgen.py), so a new header cannot go undocumented.
+# here (tests/docgen/test_docgen.py), so a new header cannot go undocumented.
 HEADERS: dict[str, tuple[str, str]] = {
     "DECISION_HEADER": (
         "response; request to the worker",
@@ -54,7 +54,7 @@ RETRY_AFTER = ("retry-after", "response (429, 503)",
                "Seconds to wait before retrying: every error answer marked so below.")
 
 # Admin API route → what it answers. Every GET route of the gateway's admin application
-# must be here (tests/test_docgen.py).
+# must be here (tests/docgen/test_docgen.py).
 ADMIN: dict[str, str] = {
     "/healthz": "Always 200 while the process serves (liveness). Public.",
     "/readyz": "200 while this replica has a ready worker with fresh metrics, else 503 "
@@ -123,7 +123,7 @@ def page(_root: Path) -> str:
         "Every error comes back as OpenAI's error envelope, so an unmodified OpenAI client "
         "raises it with the message. For example (the gateway's 404):\n",
         f"```json\n{example}\n```\n",
-        "`tests/test_error_table.py` checks these tables against the code both ways: every "
+        "`tests/gateway/test_error_table.py` checks these tables against the code both ways: every "
         "error the gateway raises and every reply in the generated Envoy bootstrap has its "
         "row, and every row is still produced. [Troubleshooting](../troubleshooting.md) "
         "says what to look at for each.\n",

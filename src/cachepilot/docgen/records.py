@@ -27,7 +27,7 @@ from cachepilot.records import schema
 PATH = "reference/decision-record.md"
 
 # The record's own keys (decision_to_record). Every key a record has must be here
-# (tests/test_docgen.py), so a new field cannot go undocumented.
+# (tests/docgen/test_docgen.py), so a new field cannot go undocumented.
 TOP: dict[str, str] = {
     "schema_version": "The record's schema; this version reads the ones listed above.",
     "id": "The decision id, as in the `x-cachepilot-decision-id` header.",

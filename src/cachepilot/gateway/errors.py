@@ -7,8 +7,8 @@ generates (:mod:`cachepilot.deploy.envoy.ours`, its replies in
 :mod:`cachepilot.deploy.envoy.replies`: direct responses and local-reply mappers, which also
 set ``x-cachepilot-error`` to the type). Both send OpenAI's error envelope,
 ``{"error": {"message": …, "type": …, "code": <status>}}``, so an unmodified client shows the
-message. ``tests/test_error_table.py`` keeps this table and the code in step both ways: every
-``RequestError`` the core and the gateway raise, and every reply in the generated Envoy
+message. ``tests/gateway/test_error_table.py`` keeps this table and the code in step both ways:
+every ``RequestError`` the core and the gateway raise, and every reply in the generated Envoy
 bootstrap, has its row here, and every row is still produced somewhere.
 """
 

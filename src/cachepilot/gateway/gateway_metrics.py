@@ -4,7 +4,7 @@ Names follow Prometheus' conventions (https://prometheus.io/docs/practices/namin
 units (seconds, ratios 0–1), ``_total`` on every counter (prometheus-client appends it to the
 names below), ``_seconds`` on every duration histogram, and labels of bounded cardinality only
 (pool, policy, worker, mode, code, …: never a request, a decision or a prefix).
-``tests/test_metrics_names.py`` lints every exported name; docs/observability.md is the
+``tests/gateway/test_metrics_gateway.py`` lints every exported name; docs/observability.md is the
 reference table.
 
 Per-worker state (scraped load, the directory, the KV-event streams) is copied from the router

