@@ -289,7 +289,7 @@ def test_a_body_only_stream_routes_by_metadata_in_one_answer(proc) -> None:
     ("/v1/chat/completions", b"", 400),
     ("/v1/chat/completions", chat("x" * 20_000), 413),
     ("", chat(), 500),  # Envoy's route named no inference path: a config mismatch
-], ids=["empty", "too-large", "no-path"])  # (not JSON: routed by load, tests/gateway/test_bodies.py)
+], ids=["empty", "too-large", "no-path"])  # not JSON: routed by load (test_bodies)
 def test_a_body_only_stream_answers_bad_input_with_json(proc, path, raw, status) -> None:
     [out] = proc.handle(proc.stream(body_only=True, path=path), body(raw, eos=True))
     assert out.immediate_response.status.code == status
