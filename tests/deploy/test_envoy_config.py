@@ -2,7 +2,7 @@ import subprocess
 
 import pytest
 
-from cachepilot.deploy.envoy import EnvoyOptions, render
+from cachepilot.deploy.envoy import EnvoyOptions, EppEnvoyOptions, render
 from cachepilot.deploy.envoy import bootstrap as build_bootstrap
 from cachepilot.tooling.stack import envoy_binary
 
@@ -173,3 +173,23 @@ def test_each_process_observes_what_it_routed() -> None:
             observe = r["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
             assert observe["grpc_service"]["envoy_grpc"]["cluster_name"] == \
                 f"cachepilot_ext_proc_p{k}"
+
+
+@pytest.mark.parametrize("opts", [
+    EnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:1",)),
+    EnvoyOptions(workers=("127.0.0.1:8001", "127.0.0.1:8002")),
+    EppEnvoyOptions(fail_open=True, fallback_workers=("127.0.0.1:1",)),
+    EppEnvoyOptions(workers=("127.0.0.1:8001",)),
+], ids=["ours-original-dst", "ours-known-workers", "epp-original-dst", "epp-known-workers"])
+def test_envoy_closes_idle_worker_connections_before_the_workers_do(opts) -> None:
+    # llama.cpp's and vLLM's servers close an idle connection after 5 s; a request Envoy sent
+    # on it as it closed died as a 503 (2026-12-05, real-peers study).
+    clusters = {c["name"]: c for c in build_bootstrap(opts)["static_resources"]["clusters"]}
+    to_workers = [n for n in ("cachepilot_workers", "cachepilot_fallback", "inference_pool",
+                              "epp_fallback") if n in clusters]
+    assert len(to_workers) >= 1 + bool(opts.fallback_workers)
+    for name in to_workers:
+        options = clusters[name]["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        idle = options["common_http_protocol_options"]["idle_timeout"]
+        assert float(idle.rstrip("s")) < 5, (name, idle)
