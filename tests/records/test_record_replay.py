@@ -218,6 +218,9 @@ def test_explain_saves_what_it_prints_as_svg(logs: dict[str, Path], tmp_path: Pa
     bad = runner.invoke(main, ["explain", "last", "--log", str(logs["priced"]),
                                "--svg", str(tmp_path / "no-such-dir" / "x.svg")])
     assert bad.exit_code != 0 and "cannot write" in bad.output and "Traceback" not in bad.output
+    both = runner.invoke(main, ["explain", "last", "--log", str(logs["priced"]), "--json",
+                                "--svg", str(out)])
+    assert both.exit_code == 2 and "cannot go with --json" in both.output
 
 def _rec(policy: str, chosen: dict[str, Any], other: dict[str, Any],
          margin: float) -> dict[str, Any]:

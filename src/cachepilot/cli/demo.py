@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cachepilot.cli.options import save_svg, stack_failed, svg_option
+from cachepilot.cli.options import check_svg, save_svg, stack_failed, svg_option
 from cachepilot.tooling.demo import WORKER_KV_BLOCKS, WORKLOAD, run_demo
 
 
@@ -30,6 +30,7 @@ from cachepilot.tooling.demo import WORKER_KV_BLOCKS, WORKLOAD, run_demo
 def demo_cmd(as_json: bool, duration: float, rate: float, decision_log: str | None,
              flow_control: str, svg_path: str | None) -> None:
     """Round robin vs CachePilot on the local stack (Envoy + gateway + 3 simulated workers)."""
+    check_svg(svg_path, as_json)
     spec = WORKLOAD.with_(duration=duration, rate=rate)
     console = Console(stderr=True)
     kv_tokens = WORKER_KV_BLOCKS * 16

@@ -62,6 +62,12 @@ def svg_option(f: F) -> F:
                         help="Also save the printed table as an SVG image.")(f)
 
 
+def check_svg(svg_path: str | None, as_json: bool) -> None:
+    """``--svg`` saves the table, which ``--json`` does not print."""
+    if svg_path and as_json:
+        raise click.UsageError("--svg saves the printed table; it cannot go with --json")
+
+
 def save_svg(console: Any, path: str | None, title: str) -> None:
     """Write what a ``Console(record=True)`` printed to ``path`` (when given)."""
     if path:
@@ -69,4 +75,3 @@ def save_svg(console: Any, path: str | None, title: str) -> None:
             console.save_svg(path, title=title)
         except OSError as exc:
             raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
-

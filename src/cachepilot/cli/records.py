@@ -10,6 +10,7 @@ import orjson
 from rich.console import Console
 
 from cachepilot.cli.options import (
+    check_svg,
     cost_option,
     policy_option,
     save_svg,
@@ -49,6 +50,7 @@ def explain_cmd(decision_id: str, log_path: str, as_json: bool, svg_path: str | 
     response header, `cachepilot decisions list`) or `last`."""
     from cachepilot.records.explain import find, render
 
+    check_svg(svg_path, as_json)
     log = _open(log_path)
     record = find(log, decision_id)
     if record is None:
