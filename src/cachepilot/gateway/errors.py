@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cachepilot.core.flow.config import FlowConfig
+
 GATEWAY = "gateway"  # the ext_proc service's ImmediateResponse
 ENVOY = "envoy"  # Envoy's direct response or local reply, from the generated bootstrap
 
@@ -76,8 +78,8 @@ ERRORS: tuple[ErrorAnswer, ...] = (
                 "tenant held the most of the queue.",
                 "As `flow_queue_full`."),
     ErrorAnswer(429, "flow_ttl_expired", GATEWAY, True,
-                "Held for its band's time to live (`ttl_s`, 30 s by default) and no worker "
-                "opened for it.",
+                f"Held for its band's time to live (`ttl_s`, {FlowConfig().ttl_s:g} s by default) "
+                "and no worker opened for it.",
                 "Retry after `Retry-After` seconds; the pool is saturated: add workers, or "
                 "lower this traffic's band."),
     ErrorAnswer(429, "flow_sheddable", GATEWAY, True,
