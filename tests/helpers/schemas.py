@@ -4,13 +4,16 @@ InferencePool's body as a test writes one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jsonschema
+import pytest
 import yaml
 
 from cachepilot.operator import crd
 from cachepilot.operator import inferencepool as ip
+from cachepilot.operator.spec import InvalidSpec
 
 from helpers.paths import ROOT
 
@@ -65,3 +68,18 @@ def infpool(name: str = "llama", *, picker: str | None = "cp-cachepilot-epp",
     return {"apiVersion": ip.API_VERSION, "kind": ip.KIND,
             "metadata": {"name": name, "namespace": "serving", "uid": f"uid-{name}"},
             "spec": body}
+
+
+def rejected(body: dict[str, Any], validate: Callable[[dict[str, Any]], None],
+             parse: Callable[[dict[str, Any]], object], *, schema_rejects: bool) -> str:
+    """A body the API server's schema refuses (``schema_rejects``) or lets through to our
+    parser, which refuses it either way: the parser's reason."""
+    if schema_rejects:
+        with pytest.raises(jsonschema.ValidationError):
+            validate(body)
+    else:
+        validate(body)
+    with pytest.raises(InvalidSpec) as e:
+        parse(body)
+    return e.value.reason
+
