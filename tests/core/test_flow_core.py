@@ -175,6 +175,32 @@ def test_waiting_for_a_busy_prefix_holder_then_going_to_it() -> None:
     assert t.decision.chosen == holder and t.decision.flow.dispatch == fi.HOLDER
 
 
+def test_a_holder_wait_lasts_while_waiting_can_still_pay() -> None:
+    """The wait ends at the break-even (the open worker's predicted TTFT less the holder's
+    own time for the request), not when the predicted gain has passed: a holder that frees
+    later than its queue said still gets the request (on real one-slot workers the gain
+    alone sent requests away ~0.2 s before their holder freed, to a full cold prefill)."""
+    router, fc = flow()
+    load(router, 99.0, 0)
+    warm = fc.admit(req("warm", doc=DOC * 12), FlowMeta("a"), 99.0)
+    assert isinstance(warm, Decision)
+    finish(router, warm)
+    holder = warm.chosen
+    router.pools["default"].typical_uncached = 100
+    load(router, 100.0, {holder: 1})
+    t = fc.admit(req("again", doc=DOC * 12), FlowMeta("a"), 100.0)
+    assert isinstance(t, Ticket) and t.holder == holder
+    gain_s, wait_s = t.holder_gain_ms / 1000.0, t.holder_until - 100.0
+    assert gain_s > 0 and gain_s + 0.01 < wait_s <= 5.0
+    later = 100.0 + (gain_s + wait_s) / 2  # the gain has passed, the holder is still busy
+    load(router, later, {holder: 1})
+    assert fc.pump(later) == 0 and t.state != DISPATCHED
+    load(router, later + 0.001, {})  # it frees before the break-even
+    fc.pump(later + 0.001)
+    assert t.decision is not None and t.decision.chosen == holder
+    assert t.decision.flow.dispatch == fi.HOLDER
+
+
 def test_a_holder_wait_is_bounded() -> None:
     router, fc = flow(holder_wait_ms=300.0)
     load(router, 99.0, 0)

@@ -49,9 +49,11 @@ class FlowConfig:
     locality_gain_ms: float = 10.0  # prefill ms a locality pick must save over the fair one
     # A request waits for the busy worker holding its prefix when the predictor says its
     # first token would come at least this much sooner there, queue included, than on an
-    # open worker; for at most that gain, and never longer than holder_wait_ms (0: never).
+    # open worker; for as long as waiting can still pay (the open worker's predicted TTFT
+    # less the holder's own time for it), and never longer than holder_wait_ms (0: never),
+    # a backstop against a wrong prediction of those two.
     holder_gain_ms: float = 50.0
-    holder_wait_ms: float = 1000.0
+    holder_wait_ms: float = 5000.0
     # Output tokens a request is charged at dispatch when it sets no max_tokens and its tenant
     # has no history; completions correct the charge when the worker reports usage.
     default_output_tokens: int = 256

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from typing import NamedTuple
 
 from cachepilot.core.decision import Decision, RoutingError
 from cachepilot.core.fingerprint import Fingerprint
@@ -95,13 +96,14 @@ class FlowControl(FlowState):
         return t
 
     @staticmethod
-    def _holder_wait_s(cfg: FlowConfig, priority: int, gain_ms: float) -> float:
-        """How long a request may wait for its busy prefix holder: at most what waiting is
-        predicted to save, never beyond holder_wait_ms; 0 when it may not (not worth it, or
-        its band is never held)."""
-        if gain_ms < cfg.holder_gain_ms or cfg.holder_wait_ms <= 0 or cfg.ttl(priority) <= 0:
+    def _holder_wait_s(cfg: FlowConfig, priority: int, wait: _HolderWait) -> float:
+        """How long a request may wait for its busy prefix holder: until waiting can no
+        longer pay (:func:`_holder_gain`'s break-even), never beyond holder_wait_ms; 0 when it
+        may not (the predicted gain is below holder_gain_ms, or its band is never held)."""
+        if (wait.gain_ms < cfg.holder_gain_ms or cfg.holder_wait_ms <= 0
+                or cfg.ttl(priority) <= 0):
             return 0.0
-        return min(gain_ms, cfg.holder_wait_ms) / 1000.0
+        return min(wait.break_even_ms, cfg.holder_wait_ms) / 1000.0
 
     def deadline(self, cfg: FlowConfig, now: float, priority: int) -> float:
         """When a request of this band held from ``now`` runs out of time to live."""
@@ -146,10 +148,10 @@ class FlowControl(FlowState):
             self.router.reject(err, req, now)
             raise
         if closed:
-            holder, gain = _holder_gain(d)
-            wait_s = self._holder_wait_s(cfg, meta.priority, gain)
-            if holder is not None and wait_s > 0:
-                return (fi.HOLDER_BUSY, holder, now + wait_s, gain)
+            wait = _holder_gain(d)
+            wait_s = self._holder_wait_s(cfg, meta.priority, wait)
+            if wait.holder is not None and wait_s > 0:
+                return (fi.HOLDER_BUSY, wait.holder, now + wait_s, wait.gain_ms)
         return self._direct(pool, q, d, req, fp, meta, now, only, excluded, started, cost, est)
 
     def _direct(self, pool: Pool, q: PoolQueue, d: Decision, req: InferenceRequest,
@@ -229,10 +231,11 @@ class FlowControl(FlowState):
         except RoutingError:
             return False  # nothing open it may use (its subset): it waits
         if closed and t.holder is None:
-            holder, hgain = _holder_gain(d)
-            wait_s = self._holder_wait_s(q.config, t.meta.priority, hgain)
-            if holder is not None and wait_s > 0:
-                t.holder, t.holder_until, t.holder_gain_ms = holder, now + wait_s, hgain
+            wait = _holder_gain(d)
+            wait_s = self._holder_wait_s(q.config, t.meta.priority, wait)
+            if wait.holder is not None and wait_s > 0:
+                t.holder, t.holder_until = wait.holder, now + wait_s
+                t.holder_gain_ms = wait.gain_ms
                 t.reason = fi.HOLDER_BUSY
                 q.holding.add(t)
                 return False
@@ -288,18 +291,32 @@ class FlowControl(FlowState):
         q.remove(victim)
         self._refuse(q, victim, fi.OVER_SHARE, now)
 
-def _holder_gain(d: Decision) -> tuple[str | None, float]:
+
+class _HolderWait(NamedTuple):
+    holder: str | None  # the busy worker worth waiting for (None: none is)
+    gain_ms: float  # how much sooner its first token is predicted, queue included
+    break_even_ms: float  # the longest wait that can still pay
+
+
+def _holder_gain(d: Decision) -> _HolderWait:
     """The closed worker the router would have picked (the best value, above the open
-    winner's: typically the busy holder of the request's prefix), and how many ms sooner
-    the predictor says its first token would come there, queue included, than on the open
-    winner: what waiting for it saves (None, 0: no closed worker beats the winner)."""
+    winner's: typically the busy holder of the request's prefix); how many ms sooner the
+    predictor says its first token would come there, queue included, than on the open
+    winner; and the break-even wait: the open winner's predicted TTFT less the holder's own
+    time for the request once free (its prediction without the queue). A wait longer than
+    that loses even if the holder frees at once; waiting up to it costs at most twice the
+    better choice made in hindsight (the ski-rental bound) whatever the holder's queue turns
+    out to be, the least certain term (a busy one-slot engine's remaining decode). The gain
+    alone, the bound before, sent requests away just before their holder freed."""
     best = None
     for c in d.candidates:
         if c.filtered == CLOSED and (best is None or c.value > best.value):
             best = c
     if best is None or best.value <= d.winner.value:
-        return None, 0.0
-    return best.worker, d.winner.predicted_ttft_ms - best.predicted_ttft_ms
+        return _HolderWait(None, 0.0, 0.0)
+    open_ms = d.winner.predicted_ttft_ms
+    gain = open_ms - best.predicted_ttft_ms
+    return _HolderWait(best.worker, gain, open_ms - (best.predicted_ttft_ms - best.queue_ms))
 
 
 def _all(q: PoolQueue) -> list[Ticket]:
