@@ -1,0 +1,122 @@
+"""Why CachePilot's hit rate on real workers differs from the peers': read the decision logs a
+``cachepilot experiment real-peers`` run kept (``--logs DIR``: one ``<workload>-<seed>-cachepilot``
+folder per phase) and print
+
+* **the prediction's bias** by kind of request: the measured TTFT over the TTFT the router
+  predicted for the worker it chose, for cold requests (under half the prompt cached) and
+  warm ones, with or without a queue ahead (the predictor has to learn what the calibrated
+  prior misses; a phase of 20 requests is shorter than its warm-up);
+* **the requests sent away from their prefix's holder** (a prompt whose first blocks, past
+  the system prompt, an earlier request of the phase placed elsewhere): what was predicted on
+  both workers, what the chosen one measured, and a rough counterfactual for the holder (when
+  the requests it was busy with completed, plus the holder's own predicted time for this
+  one; both from the request's arrival, time held included);
+* **how flow control dispatched** (held or not, and why).
+
+    python benchmarks/real_peers_diagnosis.py runs/real-peers-logs
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+from pathlib import Path
+from typing import Any
+
+from cachepilot.records.store import Store
+
+SKIP_BLOCKS = 4  # the system prompt's blocks: every request shares them
+KEY_BLOCKS = 8  # the blocks after them that name the document
+
+
+def phases(root: Path) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for d in sorted(root.glob("*-cachepilot/decisions")):
+        out[d.parent.name] = sorted(Store(d, readonly=True), key=lambda r: r["time"])
+    return out
+
+
+def chosen(r: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in r["candidates"] if c["worker"] == r["chosen"])
+
+
+def bias(cells: dict[str, list[dict[str, Any]]]) -> None:
+    groups: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for recs in cells.values():
+        for r in recs:
+            o = r.get("outcome") or {}
+            if not o.get("ttft_ms") or o.get("ttft_kind") != "first_token":
+                continue
+            c = chosen(r)
+            kind = "cold" if (o.get("cached_tokens") or 0) < r["tokens"] / 2 else "warm"
+            kind += ", queue ahead" if c["queue_ms"] > 1 else ""
+            groups[kind].append((o["ttft_ms"], c["predicted_ttft_ms"]))
+    print("| request | n | measured ÷ predicted (median) | measured ms | predicted ms |")
+    print("|---|---:|---:|---:|---:|")
+    for kind, v in sorted(groups.items()):
+        print(f"| {kind} | {len(v)} | {statistics.median(a / b for a, b in v):.2f} | "
+              f"{statistics.median(a for a, _ in v):.0f} | "
+              f"{statistics.median(b for _, b in v):.0f} |")
+
+
+def diversions(cells: dict[str, list[dict[str, Any]]]) -> None:
+    print("\n| phase | dispatch | held ms | chosen: predicted / measured ms | holder: "
+          "predicted (queue) / counterfactual ms |")
+    print("|---|---|---:|---:|---:|")
+    right = wrong = 0
+    for name, recs in cells.items():
+        held: dict[tuple[str, ...], set[str]] = {}
+        for r in recs:
+            hs = r["hashes"]
+            key = tuple(hs[SKIP_BLOCKS:SKIP_BLOCKS + KEY_BLOCKS])
+            prev = held.setdefault(key, set())
+            if prev and r["chosen"] not in prev and len(hs) > SKIP_BLOCKS + KEY_BLOCKS:
+                o, f = r.get("outcome") or {}, r.get("flow") or {}
+                for h in sorted(prev):
+                    busy = [x for x in recs if x["chosen"] == h and x["time"] < r["time"]
+                            and (x.get("outcome") or {}).get("completed_at", 0) > r["time"]]
+                    free_at = max((x["outcome"]["completed_at"] for x in busy),
+                                  default=r["time"])
+                    hc = next(c for c in r["candidates"] if c["worker"] == h)
+                    own = hc["predicted_ttft_ms"] - hc["queue_ms"]
+                    # Both from the arrival: a held request's decision came at its dispatch.
+                    held_ms = f.get("held_ms", 0.0)
+                    counter = held_ms + (free_at - r["time"]) * 1000.0 + own
+                    measured = o.get("ttft_ms", 0.0) + held_ms
+                    right, wrong = (right + 1, wrong) if measured <= counter else (right, wrong + 1)
+                    print(f"| {name} | {f.get('dispatch', 'direct')} | {f.get('held_ms', 0):.0f} | "
+                          f"{r['predicted_ttft_ms']:.0f} / {measured:.0f} | "
+                          f"{hc['predicted_ttft_ms']:.0f} ({hc['queue_ms']:.0f}) / "
+                          f"{counter:.0f} |")
+            prev.add(r["chosen"])
+    print(f"\nsent away from the holder: {right + wrong}; the measured time (held time "
+          f"included) at most the counterfactual in {right}, above it in {wrong}")
+
+
+def dispatches(cells: dict[str, list[dict[str, Any]]]) -> None:
+    counts = collections.Counter(
+        ((r.get("flow") or {}).get("hold_reason") or "not held",
+         (r.get("flow") or {}).get("dispatch", "direct"))
+        for recs in cells.values() for r in recs)
+    print("\n| held because | dispatched | requests |\n|---|---|---:|")
+    for (why, how), n in counts.most_common():
+        print(f"| {why} | {how} | {n} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("logs", type=Path, help="the study's --logs directory")
+    args = ap.parse_args()
+    cells = phases(args.logs)
+    if not cells:
+        raise SystemExit(f"no *-cachepilot/decisions under {args.logs}")
+    print(f"{len(cells)} CachePilot phases, {sum(map(len, cells.values()))} decisions\n")
+    bias(cells)
+    diversions(cells)
+    dispatches(cells)
+
+
+if __name__ == "__main__":
+    main()
