@@ -188,3 +188,70 @@ def test_a_worker_without_observations_starts_from_its_pools_model() -> None:
     assert predictor.fits.get("w2:8000") is None or predictor.fits["w2:8000"].n == 0
     assert w2.ttft is not None  # the pool's model, not the cost model's prior
     assert w2.ttft.prefill_ms_per_token == pytest.approx(0.3, rel=0.1)
+
+
+def _train(predictor: TTFTPredictor, pool: Pool, truth: TTFTParams, n: int) -> None:
+    router = Router([pool], id_prefix="s", plugins=[predictor])
+    rng = random.Random(7)
+    for i in range(n):
+        now = float(i)
+        for a in pool.workers:
+            pool.update_metrics(a, WorkerMetrics(waiting=0, running=0, scraped_at=now))
+        d = router.route(InferenceRequest(model="m", prompt=f"{now} " * rng.randint(100, 3000)),
+                         now=now)
+        c = d.winner
+        router.first_token(d, truth.predict((1.0, d.uncached_tokens + c.ahead_tokens, 0.0,
+                                             c.queued, c.batch_waits)))
+        router.release(d)
+
+
+def test_a_restarted_predictor_starts_from_what_the_last_one_learned() -> None:
+    """state() → JSON → restore(): the pool's fit comes back as it was, and the workers of
+    the pool (new addresses, as after a restart) predict with it from the pool's first
+    routed request on; a predictor without it keeps the prior for its warm-up."""
+    import orjson
+
+    truth = TTFTParams(120.0, 3.5, 0.0, 80.0)
+    old_pool = Pool(PoolSpec())
+    old_pool.upsert_worker("10.0.0.1:8000")
+    learned = TTFTPredictor()
+    _train(learned, old_pool, truth, 60)
+    state = orjson.loads(orjson.dumps(learned.state()))
+
+    def restarted(with_state: bool) -> Pool:
+        """A new pool, one request routed (no first token yet: nothing learned anew)."""
+        pool = Pool(PoolSpec())
+        for a in ("10.0.1.1:8000", "10.0.1.2:8000"):
+            pool.upsert_worker(a)
+            pool.update_metrics(a, WorkerMetrics(waiting=0, running=0, scraped_at=1000.0))
+        predictor = TTFTPredictor()
+        if with_state:
+            predictor.restore(state)
+            assert predictor.pooled["default"].params() == learned.pooled["default"].params()
+        Router([pool], plugins=[predictor]).route(InferenceRequest(model="m", prompt="x " * 300),
+                                                  now=1000.0)
+        return pool
+
+    warm = restarted(True)
+    for w in warm.workers.values():
+        assert w.ttft is not None
+        assert w.ttft.prefill_ms_per_token == pytest.approx(3.5, rel=0.05)
+        assert w.ttft.base_ms == pytest.approx(120.0, abs=20.0)
+    cold = restarted(False)
+    assert all(w.ttft is None for w in cold.workers.values())  # the prior, for its warm-up
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"version": 99, "pools": {}}, "version"),
+    ({"version": 1, "pools": {"default": {"theta": [1.0, 2.0]}}}, "not a predictor fit"),
+    ({"version": 1, "pools": {"default": {
+        "theta": [1.0] * 5, "prior": [1.0] * 5, "prior_sd": [1.0] * 5, "n": 1,
+        "xs": [[1.0] * 5], "ys": [float("nan")], "ws": [1.0], "scale": 0.0,
+        "scale_ms": 0.0}}}, "non-finite"),
+    ([1, 2, 3], "version"),
+])
+def test_a_state_that_is_not_one_is_refused_with_what_is_wrong(bad: object, why: str) -> None:
+    predictor = TTFTPredictor()
+    with pytest.raises(ValueError, match=why):
+        predictor.restore(bad)  # type: ignore[arg-type]
+    assert predictor.pooled == {}

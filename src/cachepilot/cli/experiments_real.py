@@ -55,10 +55,14 @@ def _joined(values: tuple[str, ...] | dict[str, Any]) -> str:
               help="report.md, results.json, samples.json, real_peers.png.")
 @click.option("--logs", "log_dir", default=None, type=click.Path(file_okay=False),
               help="Every process's log and the gateway's decision logs (default: OUT/logs).")
+@click.option("--keep-predictor/--fresh-predictor", default=True, show_default=True,
+              help="CachePilot's phases share its TTFT predictor's fits (--predictor-state "
+                   "under the logs), as one gateway running through the study would; fresh: "
+                   "every phase starts from the calibrated prior.")
 @click.pass_context
 def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str], seeds: str,
                    engine: str, api: str, requests: int, rate: float | None, out_dir: str,
-                   log_dir: str | None) -> None:
+                   log_dir: str | None, keep_predictor: bool) -> None:
     """CachePilot against sglang-router and vllm-router (PyPI) on the same real workers
     (llama.cpp or vLLM) and requests, paired by (workload, seed); fresh caches for every
     router's phase."""
@@ -80,7 +84,7 @@ def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str],
 
     cfg = StudyConfig(workloads=tuple(workloads), seeds=seed_list(seeds),
                       routers=tuple(routers), requests=requests, rate=rate, engine=engine,
-                      api=api)
+                      api=api, keep_predictor=keep_predictor)
     out = Path(out_dir)
     output = study_output(ctx, out_dir, log_dir=None)
     try:

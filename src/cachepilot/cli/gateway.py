@@ -135,6 +135,10 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="Also store raw prompt text in the decision log (off: hashes only).")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="Fit each worker's prefill and queue costs to measured TTFTs.")
+@click.option("--predictor-state", default=None, metavar="FILE",
+              help="Keep the TTFT predictor's fits here across restarts (read at start, "
+                   "saved while they change and at stop): a restart predicts from what the "
+                   "last run learned, not from the prior.")
 @click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
               help="As in envoy-config: Envoy streams responses through the gateway.")
 @click.option("--protocol", type=click.Choice(["auto", "cachepilot", "epp"]), default="auto",
@@ -192,7 +196,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                 epp_service: str | None, models: tuple[str, ...], engine: str,
                 scrape_interval: float, scrape_timeout: float, max_body_bytes: int,
                 stall_after: float, standby: bool, decision_log: str | None,
-                capture_prompts: bool, calibrate: bool, observe_responses: bool, policy: str,
+                capture_prompts: bool, calibrate: bool, predictor_state: str | None,
+                observe_responses: bool, policy: str,
                 weights: str | None, cost: str | None, block_size: int, chars_per_token: float,
                 capacity_blocks: int, tokenizer: str | None, replica_bus: str | None,
                 replica_id: str, replica_subject: str, kv_events_port: int | None,
@@ -243,7 +248,8 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
     if slot is not None:  # the shared port (SO_REUSEPORT), and this process's own
         if listen_port:
             extra_listen = (f"{listen.rpartition(':')[0]}:{slot.own_port(listen_port)}",)
-        admin_port, decision_log = slot.admin_port(admin_port), slot.decision_log(decision_log)
+        admin_port, decision_log = slot.admin_port(admin_port), slot.own_path(decision_log)
+        predictor_state = slot.own_path(predictor_state)
     exact_only = {"--chat-template": chat_template, "--lora-module": lora_modules,
                   "--served-model-name": served_names}
     for flag, value in exact_only.items():
@@ -270,6 +276,7 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
                            admin_token=admin_token, scrape_interval_s=scrape_interval,
                            scrape_timeout_s=scrape_timeout,
                            decision_log=decision_log, calibrate=calibrate,
+                           predictor_state=predictor_state,
                            stall_after_s=stall_after, replica_bus=replica_bus,
                            replica_id=replica_id, replica_subject=replica_subject,
                            kv_endpoints=kv_endpoints, process=slot,

@@ -32,13 +32,17 @@ overall, the median and p90 of |measured − predicted| (the prediction made at 
 before the fit saw that request), absolute and relative to the measured TTFT.
 
 Register it with the router: ``Router(pools, plugins=[TTFTPredictor()])`` (the gateway does
-by default; the simulator too, unless ``SimConfig(learn=False)``).
+by default; the simulator too, unless ``SimConfig(learn=False)``). A restart need not start
+from the prior: :meth:`TTFTPredictor.state` is each pool's fit as JSON, which the gateway
+saves and reads back (``--predictor-state``), so its workers start from what the last run
+learned instead of spending their warm-up on the prior.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +54,7 @@ from cachepilot.core.lifecycle import Outcome, Plugin
 from cachepilot.core.workers import TTFTParams, WorkerState
 
 N = 5  # parameters: base, prefill per token, per running, per queued, per full-batch wait
+STATE_VERSION = 1  # of TTFTPredictor.state()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +119,39 @@ class WorkerFit:
 
     def params(self) -> TTFTParams:
         return TTFTParams(*(float(v) for v in self.theta))
+
+    def to_state(self) -> dict[str, Any]:
+        """The fit as plain lists and numbers: its parameters, prior and the observations
+        behind them (the ring buffer's filled rows)."""
+        k = min(self.n, len(self.ys))
+        return {"theta": self.theta.tolist(), "prior": self.prior.tolist(),
+                "prior_sd": self.prior_sd.tolist(), "n": self.n, "xs": self.xs[:k].tolist(),
+                "ys": self.ys[:k].tolist(), "ws": self.ws[:k].tolist(),
+                "scale": self.scale, "scale_ms": self.scale_ms}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], cfg: PredictorConfig) -> WorkerFit:
+        """The fit :meth:`to_state` described (ValueError saying what is wrong otherwise),
+        counting the observations it kept; those beyond this config's ``memory`` are
+        dropped."""
+        try:
+            vec = {k: np.asarray(state[k], dtype=float) for k in ("theta", "prior", "prior_sd")}
+            rows = np.asarray(state["xs"], dtype=float).reshape(-1, N)[-cfg.memory:]
+            ys = np.asarray(state["ys"], dtype=float)[-cfg.memory:]
+            ws = np.asarray(state["ws"], dtype=float)[-cfg.memory:]
+            n, scale, scale_ms = int(state["n"]), float(state["scale"]), float(state["scale_ms"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a predictor fit: {err}") from None
+        arrays = (*vec.values(), rows, ys, ws)
+        if any(v.shape != (N,) for v in vec.values()) or not len(rows) == len(ys) == len(ws) \
+                or not all(np.isfinite(a).all() for a in arrays) or n < len(ys):
+            raise ValueError("not a predictor fit: wrong shapes, counts or non-finite values")
+        k = len(ys)
+        fit = cls(prior=vec["prior"], prior_sd=vec["prior_sd"], theta=vec["theta"],
+                  xs=np.zeros((cfg.memory, N)), ys=np.zeros(cfg.memory),
+                  ws=np.ones(cfg.memory), scale=scale, scale_ms=scale_ms, n=k)
+        fit.xs[:k], fit.ys[:k], fit.ws[:k] = rows, ys, ws
+        return fit
 
     def center_on(self, pool: WorkerFit, cfg: PredictorConfig) -> None:
         """Take the pool's fit as this worker's prior (floors: 1 ms, 0.001 per unit)."""
@@ -214,8 +252,36 @@ class TTFTPredictor(Plugin):
     _pending: OrderedDict[str, _Routed] = field(default_factory=OrderedDict)
     _errors: dict[str, _Errors] = field(default_factory=dict)
 
+    _restored: set[str] = field(default_factory=set)  # pools whose model is not applied yet
+
+    # -- across restarts ----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What a restarted gateway needs to predict as this one does: each pool's fit (every
+        worker's observations), JSON-ready. Workers' own fits are not kept: their addresses
+        change across restarts, and their own data soon accumulate again on top of their
+        pool's model."""
+        return {"version": STATE_VERSION,
+                "pools": {name: f.to_state() for name, f in sorted(self.pooled.items())}}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Start from a :meth:`state` (ValueError saying what is wrong if it is not one). A
+        warm pool's model becomes its workers' from the pool's first routed request on."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION \
+                or not isinstance(state.get("pools"), Mapping):
+            raise ValueError(f"not a predictor state of version {STATE_VERSION}")
+        pooled = {str(name): WorkerFit.from_state(f, self.cfg)
+                  for name, f in state["pools"].items()}
+        self.pooled.update(pooled)
+        self._restored |= {name for name, f in pooled.items() if f.n >= self.cfg.warmup}
+
     # -- lifecycle ----------------------------------------------------------------------------
     def on_routed(self, decision: Decision, pool: Any) -> None:
+        if pool.name in self._restored:  # once: the restored model for its workers
+            self._restored.discard(pool.name)
+            params = self.pooled[pool.name].params()
+            for w in pool.workers.values():
+                if w.ttft is None:
+                    w.ttft = params
         w = pool.workers.get(decision.chosen)
         if w is None:
             return

@@ -53,7 +53,9 @@ class ProcessSlot:
     def admin_port(self, base: int) -> int:
         return base + self.index if base else 0
 
-    def decision_log(self, path: str | None) -> str | None:
+    def own_path(self, path: str | None) -> str | None:
+        """This process's own file or directory (decision log, predictor state): the given
+        path for process 0, ``<path>-p<i>`` for the others."""
         return path if path is None or self.index == 0 else f"{path}-p{self.index}"
 
 

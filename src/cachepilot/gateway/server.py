@@ -26,6 +26,7 @@ from cachepilot.core.flow.control import FlowControl
 from cachepilot.core.router import Router
 from cachepilot.datalayer.kv_events import EndpointsFor, KVEventHub, follow_pools
 from cachepilot.datalayer.scrape import Scraper, StaticTargets
+from cachepilot.gateway import predictor_state
 from cachepilot.gateway.director import Director, GatewayOptions
 from cachepilot.gateway.flow_metrics import FlowMetrics
 from cachepilot.gateway.gateway_metrics import GatewayMetrics
@@ -76,6 +77,9 @@ class GatewayConfig:
     # Flow control (cachepilot.core.flow): hold, prioritise and share fairly instead of
     # answering 429 at the admission limit. enabled=False restores the old behaviour.
     flow: FlowConfig = field(default_factory=FlowConfig)
+    # Where the TTFT predictor's fits are kept across restarts (None: each start learns from
+    # the prior; gateway.predictor_state).
+    predictor_state: str | None = None
 
 
 class Gateway:
@@ -147,6 +151,11 @@ class Gateway:
         for address in self.config.extra_listen:
             if not server.add_insecure_port(address):
                 raise OSError(f"cannot listen on {address}")
+        state = self.config.predictor_state
+        if state and self.predictor is not None:
+            predictor_state.load(self.predictor, state)
+            self._tasks.append(asyncio.create_task(
+                predictor_state.keep_saved(self.predictor, state)))
         await server.start()
         self._grpc = server
         self._tasks.append(asyncio.create_task(self.scraper.run()))
@@ -192,6 +201,8 @@ class Gateway:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.config.predictor_state and self.predictor is not None:
+            predictor_state.save(self.predictor, self.config.predictor_state)
         if self.bus is not None:
             await self.bus.stop()
         await self.kv_events.stop()

@@ -63,6 +63,10 @@ class StudyConfig:
     spec: LlamaWorkerSpec | None = None  # None: the stack's default for ``workers``
     engine: str = "llamacpp"  # or "vllm"
     api: str = "chat"  # or "completions"
+    # CachePilot's phases share the TTFT predictor's fits (one --predictor-state file under
+    # the logs), as one gateway running through the study would; False: each phase's
+    # gateway starts from the calibrated prior (a phase is shorter than the warm-up).
+    keep_predictor: bool = True
 
 
 class Progress:
@@ -132,8 +136,11 @@ def run_phase(router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig, log_
     t0 = time.monotonic()
     load_before = os.getloadavg()[0]
     extra: dict[str, Any] = {}
+    state = (os.path.join(os.path.dirname(log_dir), "predictor-state.json")
+             if cfg.keep_predictor else None)
     if vllm is not None:
         vllm.reset_caches()
+        vllm.predictor_state = state
         vllm.start_router(router.policy, router if router.is_peer else None, log_dir)
         stack: Any = vllm
         extra = {"calibration": vllm.calibration, "worker_spec": {
@@ -142,7 +149,7 @@ def run_phase(router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig, log_
     else:
         stack = LlamaStack(workers=cfg.workers, spec=cfg.spec, log_dir=log_dir,
                            policy=router.policy, peer=router if router.is_peer else None,
-                           max_tokens=int(reqs[0].max_tokens)).start()
+                           max_tokens=int(reqs[0].max_tokens), predictor_state=state).start()
     try:
         started = time.monotonic() - t0
         before = [engine_counters(a, cfg.engine) for a in stack.worker_addresses]

@@ -108,11 +108,17 @@ def report(data: dict[str, Any], stats: dict[str, Any], plot_name: str) -> str:
                "study, their prefix caches reset before every phase" if vllm else
                f"{cfg['workers']} llama-server workers (Gemma 3 270M Q4_K_M), restarted for "
                "every phase (fresh caches, the same warm-up)")
+    learned = ("CachePilot's gateway starts every phase afresh but keeps its TTFT "
+               "predictor's fits from phase to phase (`--predictor-state`), as one gateway "
+               "running through the study would" if cfg.get("keep_predictor") else
+               "CachePilot's gateway starts every phase from the calibrated prior (its "
+               "predictor's warm-up is longer than a phase)")
     L = ["# CachePilot against sglang-router and vllm-router on real "
          f"{'vLLM' if vllm else 'llama.cpp'} workers ({api})", "",
          f"{len(phases)} phases ({len(cfg['workloads'])} workloads × {len(cfg['seeds'])} seeds"
          f" ({', '.join(map(str, cfg['seeds']))}) × {len(cfg['routers'])} routers), "
-         f"{cfg['requests']} requests each, {data['wall_s'] / 60:.1f} min wall. {workers}. "
+         f"{cfg['requests']} requests each, {data['wall_s'] / 60:.1f} min wall. {workers}; "
+         f"{learned}. "
          "Every router of a (workload, seed) cell serves the same requests at the same "
          "arrival times; the order of the routers rotates from cell to cell. 1-minute load "
          f"average during the study: {min(loads):.1f}–{max(loads):.1f} (the machine is "

@@ -49,6 +49,9 @@ class LlamaStack(LoopbackAddresses):
     capacity_blocks: int | None = None
     log_dir: str | None = None
     peer: RouterSpec | None = None
+    # The gateway's --predictor-state: a study's phases share one, as one long-running
+    # gateway would keep what it learned of these workers (None: each start from the prior).
+    predictor_state: str | None = None
     # Envoy's per-try wait for a worker's first byte. A CPU worker with a queue can take
     # minutes to start answering; 1800 s is both peer routers' request timeout, so every
     # router of a study gives up at the same point (the sim stack's 60 s would 504 them).
@@ -132,7 +135,8 @@ class LlamaStack(LoopbackAddresses):
                 # Gemma 3's sliding window: shorter matches are reused from checkpoints only.
                 "--llama-min-reuse", str(SLIDING_WINDOW), "--llama-ubatch", str(self.spec.batch),
                 "--scrape-timeout", "5", "--stall-after", f"{self.stall_after_s():.0f}",
-                "--decision-log", str(Path(self.log_dir or ".") / "decisions")]
+                "--decision-log", str(Path(self.log_dir or ".") / "decisions"),
+                *(["--predictor-state", self.predictor_state] if self.predictor_state else [])]
 
     def stall_after_s(self) -> float:
         """How long a worker may go without any first byte before the gateway takes it out

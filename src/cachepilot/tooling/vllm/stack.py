@@ -88,6 +88,7 @@ class VllmStack:
     # a minute to start here): the gateway behind Envoy, or a peer router.
     peer: RouterSpec | None = None
     cost: str | None = None  # the gateway's --cost beyond max_batch (e.g. calibrated)
+    predictor_state: str | None = None  # the gateway's --predictor-state (as LlamaStack's)
     calibration: dict[str, Any] | None = None  # what ``cost`` was measured from
     router_processes: Processes = field(default_factory=lambda: Processes(Path()))
     peer_port: int = 0
@@ -214,7 +215,8 @@ class VllmStack:
                 "--cost", ",".join([f"max_batch={self.spec.max_num_seqs}",
                                     *([self.cost] if self.cost else [])]),
                 "--stall-after", f"{self.stall_after_s:.0f}",
-                *(["--decision-log", str(decisions)] if decisions else [])]
+                *(["--decision-log", str(decisions)] if decisions else []),
+                *(["--predictor-state", self.predictor_state] if self.predictor_state else [])]
 
     def restart_gateway(self, policy: str | None = None, decision_log: str | None = None,
                         timeout_s: float = 60.0) -> None:
