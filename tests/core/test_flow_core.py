@@ -157,17 +157,23 @@ def test_locality_prefers_the_request_an_open_worker_holds() -> None:
     assert hot.decision.flow.gain_ms > 0 and hot.decision.chosen == warm.chosen
 
 
-def test_waiting_for_a_busy_prefix_holder_then_going_to_it() -> None:
-    router, fc = flow()
+def held_for_its_holder(router: Router, fc: FlowControl) -> tuple[str, Ticket]:
+    """A document's first request routed and answered; its second, at 100.0, held for that
+    busy worker (the others idle): (the holder, the held ticket)."""
     load(router, 99.0, 0)
     warm = fc.admit(req("warm", doc=DOC * 12), FlowMeta("a"), 99.0)
     assert isinstance(warm, Decision)
     finish(router, warm)
-    holder = warm.chosen
     router.pools["default"].typical_uncached = 100  # others' queued requests are short
-    load(router, 100.0, {holder: 1})  # the holder is busy, the others idle
+    load(router, 100.0, {warm.chosen: 1})
     t = fc.admit(req("again", doc=DOC * 12), FlowMeta("a"), 100.0)
-    assert isinstance(t, Ticket) and t.reason == fi.HOLDER_BUSY and t.holder == holder
+    assert isinstance(t, Ticket) and t.reason == fi.HOLDER_BUSY and t.holder == warm.chosen
+    return warm.chosen, t
+
+
+def test_waiting_for_a_busy_prefix_holder_then_going_to_it() -> None:
+    router, fc = flow()
+    holder, t = held_for_its_holder(router, fc)
     assert fc.next_deadline(100.0) == pytest.approx(t.holder_until)
     load(router, 100.2, {})  # the holder opens
     fc.pump(100.2)
@@ -181,15 +187,7 @@ def test_a_holder_wait_lasts_while_waiting_can_still_pay() -> None:
     later than its queue said still gets the request (on real one-slot workers the gain
     alone sent requests away ~0.2 s before their holder freed, to a full cold prefill)."""
     router, fc = flow()
-    load(router, 99.0, 0)
-    warm = fc.admit(req("warm", doc=DOC * 12), FlowMeta("a"), 99.0)
-    assert isinstance(warm, Decision)
-    finish(router, warm)
-    holder = warm.chosen
-    router.pools["default"].typical_uncached = 100
-    load(router, 100.0, {holder: 1})
-    t = fc.admit(req("again", doc=DOC * 12), FlowMeta("a"), 100.0)
-    assert isinstance(t, Ticket) and t.holder == holder
+    holder, t = held_for_its_holder(router, fc)
     gain_s, wait_s = t.holder_gain_ms / 1000.0, t.holder_until - 100.0
     assert gain_s > 0 and gain_s + 0.01 < wait_s <= 5.0
     later = 100.0 + (gain_s + wait_s) / 2  # the gain has passed, the holder is still busy
@@ -203,20 +201,14 @@ def test_a_holder_wait_lasts_while_waiting_can_still_pay() -> None:
 
 def test_a_holder_wait_is_bounded() -> None:
     router, fc = flow(holder_wait_ms=300.0)
-    load(router, 99.0, 0)
-    warm = fc.admit(req("warm", doc=DOC * 12), FlowMeta("a"), 99.0)
-    assert isinstance(warm, Decision)
-    finish(router, warm)
-    router.pools["default"].typical_uncached = 100
-    load(router, 100.0, {warm.chosen: 1})
-    t = fc.admit(req("again", doc=DOC * 12), FlowMeta("a"), 100.0)
-    assert isinstance(t, Ticket) and t.holder_until <= 100.3 + 1e-9
-    load(router, 100.2, {warm.chosen: 1})
+    holder, t = held_for_its_holder(router, fc)
+    assert t.holder_until <= 100.3 + 1e-9
+    load(router, 100.2, {holder: 1})
     assert fc.pump(100.2) == 0
-    load(router, 100.4, {warm.chosen: 1})
+    load(router, 100.4, {holder: 1})
     fc.pump(100.4)
     assert t.state == DISPATCHED and t.decision is not None
-    assert t.decision.chosen != warm.chosen and t.decision.flow.dispatch == fi.HOLDER_TIMEOUT
+    assert t.decision.chosen != holder and t.decision.flow.dispatch == fi.HOLDER_TIMEOUT
 
 
 def test_time_to_live_then_429_with_retry_after() -> None:

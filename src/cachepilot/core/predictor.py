@@ -251,7 +251,6 @@ class TTFTPredictor(Plugin):
     pooled: dict[str, WorkerFit] = field(default_factory=dict)  # by pool name
     _pending: OrderedDict[str, _Routed] = field(default_factory=OrderedDict)
     _errors: dict[str, _Errors] = field(default_factory=dict)
-
     _restored: set[str] = field(default_factory=set)  # pools whose model is not applied yet
 
     # -- across restarts ----------------------------------------------------------------------
@@ -278,10 +277,7 @@ class TTFTPredictor(Plugin):
     def on_routed(self, decision: Decision, pool: Any) -> None:
         if pool.name in self._restored:  # once: the restored model for its workers
             self._restored.discard(pool.name)
-            params = self.pooled[pool.name].params()
-            for w in pool.workers.values():
-                if w.ttft is None:
-                    w.ttft = params
+            self._share_pool_model(pool)
         w = pool.workers.get(decision.chosen)
         if w is None:
             return
@@ -328,13 +324,17 @@ class TTFTPredictor(Plugin):
         r = fit.update(routed.x, y, self.cfg, ttft_ms)
         if fit.n >= warm:
             routed.worker.ttft = fit.params()
-        if pooled.n >= warm:  # workers not yet warm start from the pool's model
-            params = pooled.params()
-            for a, w in routed.pool.workers.items():
-                own = self.fits.get(a)
-                if own is None or own.n < warm:
-                    w.ttft = params
+        if pooled.n >= warm:
+            self._share_pool_model(routed.pool)
         return r
+
+    def _share_pool_model(self, pool: Any) -> None:
+        """Workers not yet warm start from their (warm) pool's model."""
+        params = self.pooled[pool.name].params()
+        for a, w in pool.workers.items():
+            own = self.fits.get(a)
+            if own is None or own.n < self.cfg.warmup:
+                w.ttft = params
 
     # -- reporting ----------------------------------------------------------------------------
     def estimates(self) -> dict[str, dict[str, float]]:
