@@ -11,15 +11,21 @@ folder per phase) and print
   both workers, what the chosen one measured, and a rough counterfactual for the holder (when
   the requests it was busy with completed, plus the holder's own predicted time for this
   one; both from the request's arrival, time held included);
-* **how flow control dispatched** (held or not, and why).
+* **how flow control dispatched** (held or not, and why);
+* with ``--samples`` (the study's ``samples.json``), **the same request through each router
+  when both got the same cache outcome** (both cold: under a fifth of the prompt cached; both
+  warm: over four fifths): CachePilot's TTFT minus the peer's, paired by (workload, seed,
+  request). Placement cannot explain a difference there: it is the path and the engine.
 
-    python benchmarks/real_peers_diagnosis.py runs/real-peers-logs
+    python benchmarks/real_peers_diagnosis.py runs/real-peers-logs \
+        --samples docs/results/real-peers/samples.json
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -104,10 +110,31 @@ def dispatches(cells: dict[str, list[dict[str, Any]]]) -> None:
         print(f"| {why} | {how} | {n} |")
 
 
+def same_outcome(samples: list[dict[str, Any]]) -> None:
+    cells: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = collections.defaultdict(dict)
+    for x in samples:
+        if x["ok"] and x["prompt_tokens"]:
+            cells[(x["workload"], x["seed"], x["request"])][x["router"]] = x
+    peers = sorted({r for c in cells.values() for r in c} - {"cachepilot"})
+    print("\n| CachePilot − | both | pairs | TTFT difference ms, median | mean |")
+    print("|---|---|---:|---:|---:|")
+    for peer in peers:
+        for kind, test in (("cold", lambda f: f < 0.2), ("warm", lambda f: f > 0.8)):
+            d = [(c["cachepilot"]["ttft_s"] - c[peer]["ttft_s"]) * 1000.0
+                 for c in cells.values() if "cachepilot" in c and peer in c
+                 and all(test(c[r]["cached_tokens"] / c[r]["prompt_tokens"])
+                         for r in ("cachepilot", peer))]
+            if d:
+                print(f"| {peer} | {kind} | {len(d)} | {statistics.median(d):+.1f} | "
+                      f"{statistics.mean(d):+.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("logs", type=Path, help="the study's --logs directory")
+    ap.add_argument("--samples", type=Path,
+                    help="the study's samples.json: the same request through each router")
     args = ap.parse_args()
     cells = phases(args.logs)
     if not cells:
@@ -116,6 +143,8 @@ def main() -> None:
     bias(cells)
     diversions(cells)
     dispatches(cells)
+    if args.samples:
+        same_outcome(json.loads(args.samples.read_text()))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,9 @@ def _data(ours_p50: list[float], ours_hit: float) -> dict[str, Any]:
 def test_paired_difference_called_only_when_the_interval_excludes_zero() -> None:
     better = study_report.analyse(_data([0.5, 0.6, 0.7], 0.6))["shared"]
     d = better["vs"]["sglang_cache_aware"]["ttft_p50_s"]
-    assert d["significant"] and d["mean"] == pytest.approx(-0.5)
+    # A ratio: the geometric mean of 0.5/1.0, 0.6/1.1, 0.7/1.2, as a change.
+    assert d["significant"] and d["rel"] == pytest.approx((0.5 * 0.6 * 0.7 / 1.32) ** (1 / 3) - 1)
+    assert d["rel_lo"] > -1.0  # never below -100 %, however noisy
     assert study_report.verdict(d) == "**better**"
     assert better["bar"]["ttft_p50_s"] == {"best_peer": "sglang_cache_aware", "ours": 0.6,
                                            "theirs": pytest.approx(1.1), "bar": 0.9,
@@ -145,6 +147,19 @@ def test_paired_difference_called_only_when_the_interval_excludes_zero() -> None
     assert not worse["bar"]["token_hit_rate"]["not_worse"]  # 0.4 < 0.5 every seed
 
 
+def test_a_difference_is_bold_only_when_it_survives_holm() -> None:
+    """Raw p < 0.05 but not after Holm over the report's comparisons: plain, not bold."""
+    d = {"significant": True, "significant_holm": False, "mean": -0.1}
+    assert study_report.verdict(d) == "better"
+    assert study_report.verdict({**d, "significant_holm": True}) == "**better**"
+    assert study_report.verdict({**d, "mean": 0.1}, lower_better=False) == "better"
+    stats = study_report.analyse(_data([0.8, 1.2, 0.9], 0.5))
+    family = study_report.tests(stats)
+    assert len(family) == 2 * 4  # 2 other routers x p50, p90, p99, hit rate
+    assert all("p_holm" in t and t["p_holm"] >= t["p"] for t in family if t["p"] == t["p"])
+    assert "after Holm's adjustment over all 8" in study_report.holm_summary(stats)
+
+
 def test_outputs_are_written_with_the_command(tmp_path: Path) -> None:
     data = _data([0.5, 0.6, 0.7], 0.6)
     output = StudyOutput(tmp_path, "cachepilot experiment real-peers -x")
@@ -155,8 +170,31 @@ def test_outputs_are_written_with_the_command(tmp_path: Path) -> None:
     assert doc["stats"]["shared"]["cells"] == 3
     md = (tmp_path / "report.md").read_text()
     assert "`cachepilot experiment real-peers -x`" in md
-    assert "| sglang_cache_aware | -45% [" in md and "**better**" in md
+    assert "| sglang_cache_aware | -46% [" in md and "**better**" in md
+    assert "after Holm's adjustment over all 8" in md
     assert (tmp_path / "real_peers.png").stat().st_size > 10_000
+
+
+def test_a_report_is_rewritten_from_its_own_data(tmp_path: Path) -> None:
+    """--rewrite-report: the same report from results.json and samples.json, no workers;
+    a folder without them is one line of error."""
+    from click.testing import CliRunner
+
+    from cachepilot.cli import main
+
+    data = _data([0.5, 0.6, 0.7], 0.6)
+    study_report.write_outputs(data, StudyOutput(tmp_path, "cachepilot experiment real-peers -x"))
+    before = (tmp_path / "report.md").read_text()
+    (tmp_path / "report.md").write_text("stale")
+    runner = CliRunner()
+    ok = runner.invoke(main, ["experiment", "real-peers", "--out", str(tmp_path),
+                              "--rewrite-report"])
+    assert ok.exit_code == 0, ok.output
+    assert (tmp_path / "report.md").read_text() == before
+    bad = runner.invoke(main, ["experiment", "real-peers", "--out", str(tmp_path / "none"),
+                               "--rewrite-report"])
+    assert bad.exit_code == 1 and "not a real-peers study's output" in bad.output
+    assert "Traceback" not in bad.output
 
 
 @pytest.mark.slow

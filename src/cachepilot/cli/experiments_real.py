@@ -59,14 +59,21 @@ def _joined(values: tuple[str, ...] | dict[str, Any]) -> str:
               help="CachePilot's phases share its TTFT predictor's fits (--predictor-state "
                    "under the logs), as one gateway running through the study would; fresh: "
                    "every phase starts from the calibrated prior.")
+@click.option("--rewrite-report", is_flag=True,
+              help="Run nothing: rewrite OUT's report.md, results.json and plot from the "
+                   "results.json and samples.json a run left there (its command kept).")
 @click.pass_context
 def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str], seeds: str,
                    engine: str, api: str, requests: int, rate: float | None, out_dir: str,
-                   log_dir: str | None, keep_predictor: bool) -> None:
+                   log_dir: str | None, keep_predictor: bool, rewrite_report: bool) -> None:
     """CachePilot against sglang-router and vllm-router (PyPI) on the same real workers
     (llama.cpp or vLLM) and requests, paired by (workload, seed); fresh caches for every
     router's phase."""
     from cachepilot.tooling.llamacpp.routers import peers_installed
+
+    if rewrite_report:
+        _rewrite_real_peers(Path(out_dir))
+        return
 
     if engine == "vllm":
         from cachepilot.tooling.vllm.stack import missing
@@ -99,6 +106,21 @@ def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str],
                        f"{b['theirs']:.3f}: {'holds' if b['means'] else 'misses'} on the "
                        f"means, {'no significant loss' if b['not_worse'] else 'LOSS'}")
     click.echo(f"wrote {out / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
+
+
+def _rewrite_real_peers(out: Path) -> None:
+    """The statistics and report of an earlier run again, from its own data files."""
+    from cachepilot.lab.output import StudyOutput
+    from cachepilot.lab.real_peers_report import write_outputs
+
+    try:
+        results = orjson.loads((out / "results.json").read_bytes())
+        samples = orjson.loads((out / "samples.json").read_bytes())
+        data = {k: v for k, v in results.items() if k not in ("command", "stats")}
+        write_outputs({**data, "samples": samples}, StudyOutput(out, results["command"]))
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise click.ClickException(f"{out}: not a real-peers study's output ({exc})") from None
+    click.echo(f"rewrote {out / 'report.md'}", err=True)
 
 
 def seed_list(text: str, first: int = 11) -> tuple[int, ...]:

@@ -2,8 +2,12 @@
 intervals, CachePilot's paired differences from every other router (same (workload, seed)
 cell = same requests), whether the issue's bar holds, a markdown report, a plot and JSON.
 
-A difference is called only when its paired 95 % interval excludes zero
-(:func:`cachepilot.lab.stats.paired`); otherwise it is "n.s.".
+TTFTs are compared as ratios (:func:`~cachepilot.lab.stats.paired_ratio`: the geometric mean
+of the per-cell ratios, its interval from the log ratios, never below −100 %), hit rates as
+differences whose interval is clipped to what is possible
+(:func:`~cachepilot.lab.stats.paired_difference`). Every comparison of a report is one family
+for Holm's adjustment: a difference is **bold** only when it survives it, plain when only its
+unadjusted interval excludes zero, "n.s." otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cachepilot.lab.output import StudyOutput
-from cachepilot.lab.stats import ci95, paired
+from cachepilot.lab.stats import adjust, ci95, counts, paired_difference, paired_ratio
 from cachepilot.tooling.llamacpp.routers import ROUTERS
 
 if TYPE_CHECKING:
@@ -53,10 +57,41 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         out[name] = {
             "cells": len(rows),
             "table": {r: {k: ci95(vals(r, k)) for k in TABLE} for r in routers},
-            "vs": {r: {k: paired(vals(OURS, k), vals(r, k)) for k in COMPARED}
+            "vs": {r: {k: compare(k, vals(OURS, k), vals(r, k)) for k in COMPARED}
                    for r in routers if r != OURS} if OURS in routers else {}}
         out[name]["bar"] = bar(out[name], routers)
+    adjust(tests(out))
     return out
+
+
+def compare(k: str, ours: list[float], theirs: list[float]) -> dict[str, Any]:
+    """CachePilot against one router on one measure, cell by cell: a ratio for a TTFT,
+    a bounded difference for the hit rate."""
+    if k == "token_hit_rate":
+        return paired_difference(ours, theirs)
+    return paired_ratio(ours, theirs)
+
+
+def tests(stats: dict[str, Any], measures: tuple[str, ...] = COMPARED
+          ) -> list[dict[str, Any]]:
+    """Every paired comparison of the report (one Holm family), in a fixed order."""
+    return [d[k] for st in stats.values() for d in st["vs"].values() for k in measures]
+
+
+def holm_summary(stats: dict[str, Any]) -> str:
+    """The family's significant differences, unadjusted and after Holm."""
+    ttft = counts(tests(stats, TTFT))
+    hit = counts(tests(stats, ("token_hit_rate",)), lower_is_better=False)
+    n = len(tests(stats))
+
+    def say(kind: str) -> str:
+        win = ttft[kind]["win"] + hit[kind]["win"]
+        loss = ttft[kind]["loss"] + hit[kind]["loss"]
+        return f"{win} better, {loss} worse"
+
+    return (f"Of the {n} comparisons (every workload and the pooled cells, every router, "
+            f"p50/p90/p99 and hit rate), significant before adjustment: {say('raw')}; "
+            f"after Holm's adjustment over all {n}: {say('holm')}.")
 
 
 # Issue 24's bar against the best peer router, on the means over seeds: CachePilot's median
@@ -88,9 +123,12 @@ def bar(st: dict[str, Any], routers: list[str]) -> dict[str, Any]:
 
 
 def verdict(d: dict[str, Any], lower_better: bool = True) -> str:
+    """n.s.; better/worse when the unadjusted interval excludes zero; bold when the
+    difference survives Holm's adjustment too."""
     if not d["significant"]:
         return "n.s."
-    return "**better**" if (d["mean"] < 0) == lower_better else "**worse**"
+    word = "better" if (d["mean"] < 0) == lower_better else "worse"
+    return f"**{word}**" if d.get("significant_holm") else word
 
 
 def _ms(x: float) -> str:
@@ -126,9 +164,13 @@ def report(data: dict[str, Any], stats: dict[str, Any], plot_name: str) -> str:
          "TTFT is measured at the client (first streamed token), in ms; the hit rate is the "
          "workers' own cached prompt tokens over prompt tokens; imbalance is the busiest "
          "worker's prompt tokens over the mean. Means over seeds with 95 % intervals. "
-         "Paired differences are CachePilot minus the other router, per cell, mean with "
-         "its 95 % interval (relative to the other router's mean for TTFT, absolute for the "
-         "hit rate); **better** / **worse** only when the interval excludes zero.", ""]
+         "CachePilot against each other router, paired by cell: for TTFT the geometric mean "
+         "of the per-cell ratios as a change, its 95 % interval from the log ratios; for the "
+         "hit rate the mean difference, its 95 % interval clipped to what is possible. "
+         "better / worse when the unadjusted interval excludes zero, **bold** when the "
+         "difference also survives Holm's adjustment over every comparison of this report; "
+         "n.s. otherwise. The bar's \"significant loss\" is the unadjusted test (the "
+         "stricter on CachePilot).", "", holm_summary(stats), ""]
     for name, st in stats.items():
         spec = data["workloads"].get(name)
         what = (f"{spec['kind']}, {spec['rate']:g} req/s" if spec else

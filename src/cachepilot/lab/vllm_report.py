@@ -209,10 +209,11 @@ def report(data: dict[str, Any], stats: dict[str, Any], pred: dict[str, Any]) ->
         L.append(f"| {name} | {h['n']}, {_s(h['p50_s'])}, {_s(h['p90_s'])} | "
                  f"{m['n']}, {_s(m['p50_s'])}, {_s(m['p90_s'])} |")
     L += ["", "## CachePilot against round robin", "",
-          "Per phase TTFT percentiles, means over seeds with 95 % intervals; paired "
-          "differences are CachePilot minus round robin on the same seed (same requests), "
-          "relative to round robin's mean; **better** / **worse** only when the interval "
-          "excludes zero (3 seeds: wide intervals).", ""]
+          "Per phase TTFT percentiles, means over seeds with 95 % intervals; CachePilot "
+          "against round robin on the same seed (same requests): TTFT as the geometric mean "
+          "of the per-seed ratios, the hit rate as a difference clipped to what is possible; "
+          "better / worse when the unadjusted interval excludes zero, **bold** when it also "
+          "survives Holm's adjustment over these comparisons (3 seeds: wide intervals).", ""]
     st = stats.get("vllm")
     if st:
         L += ["| policy | p50 s | p90 s | p99 s | mean s | token hit rate | imbalance |",
