@@ -18,8 +18,8 @@ __all__ = ["paired_differences", "plt"]
 def paired_differences(ax: Any, vs: dict[str, dict[str, Any]], metrics: tuple[str, ...],
                        xlabel: str) -> None:
     """One row per compared policy or router: each metric's paired relative difference
-    (``rel``, ``rel_lo``, ``rel_hi`` of :func:`cachepilot.lab.stats.paired_ratio` or
-    :func:`~cachepilot.lab.stats.paired`) with its 95 % interval,
+    (``rel``, ``rel_lo``, ``rel_hi`` of :func:`cachepilot.lab.stats.paired_ratio`) with its
+    95 % interval,
     in %, the zero line marking no difference."""
     names = list(vs)
     for j, k in enumerate(metrics):

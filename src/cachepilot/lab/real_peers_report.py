@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cachepilot.lab.output import StudyOutput
-from cachepilot.lab.stats import adjust, ci95, counts, paired_difference, paired_ratio
+from cachepilot.lab.stats import (
+    adjust,
+    ci95,
+    counts,
+    direction,
+    paired_difference,
+    paired_ratio,
+)
 from cachepilot.tooling.llamacpp.routers import ROUTERS
 
 if TYPE_CHECKING:
@@ -41,7 +48,8 @@ def _cells(phases: list[dict[str, Any]], workload: str | None) -> dict[tuple[str
 
 def analyse(data: dict[str, Any]) -> dict[str, Any]:
     """Per workload and pooled over all cells: ``table`` (router → metric → ci95) and
-    ``vs`` (other router → metric → paired(ours − theirs))."""
+    ``vs`` (other router → metric → :func:`compare` of ours with theirs), Holm-adjusted
+    over the whole report."""
     routers = list(data["config"]["routers"])
     out: dict[str, Any] = {}
     pooled = [ALL] if len(data["workloads"]) > 1 else []
@@ -125,10 +133,11 @@ def bar(st: dict[str, Any], routers: list[str]) -> dict[str, Any]:
 def verdict(d: dict[str, Any], lower_better: bool = True) -> str:
     """n.s.; better/worse when the unadjusted interval excludes zero; bold when the
     difference survives Holm's adjustment too."""
-    if not d["significant"]:
-        return "n.s."
-    word = "better" if (d["mean"] < 0) == lower_better else "worse"
-    return f"**{word}**" if d.get("significant_holm") else word
+    raw = direction(d, False, lower_better)
+    if raw == "n.s.":
+        return raw
+    word = "better" if raw == "win" else "worse"
+    return f"**{word}**" if direction(d, True, lower_better) != "n.s." else word
 
 
 def _ms(x: float) -> str:

@@ -123,21 +123,6 @@ def _t_test(d: np.ndarray) -> tuple[float, float, float, float]:
     return m, m - h, m + h, t_pvalue(m / se, n - 1)
 
 
-def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, float | bool]:
-    """The mean of ``a − b`` over seeds (both measured on the same seeds, in order) with its
-    Student-t 95 % interval; ``rel*`` divide it by the mean of ``b``. Unbounded: for TTFTs
-    use :func:`paired_ratio`, for rates :func:`paired_difference`."""
-    if len(a) != len(b):
-        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
-    d = ci95([x - y for x, y in zip(a, b, strict=True)])
-    base = float(np.mean(b)) if len(b) else float("nan")
-    sig = d["n"] > 1 and (d["lo"] > 0 or d["hi"] < 0)
-    return {**d, "significant": bool(sig),
-            "rel": d["mean"] / base if base else float("nan"),
-            "rel_lo": d["lo"] / base if base else float("nan"),
-            "rel_hi": d["hi"] / base if base else float("nan")}
-
-
 def _pairs(a: Sequence[float | None], b: Sequence[float | None]
            ) -> tuple[np.ndarray, np.ndarray]:
     if len(a) != len(b):
