@@ -39,7 +39,10 @@ def main() -> None:
     ap.add_argument("--no-observe", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    spy_bin = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    spy_bin = (shutil.which("py-spy", path=str(Path(sys.executable).parent))
+               or shutil.which("py-spy"))
+    if spy_bin is None:
+        sys.exit("needs py-spy: pip install py-spy")
     tmp = Path(tempfile.mkdtemp(prefix="cachepilot-profile-"))
     wports = [free_port() for _ in range(2)]
     here = Path(__file__).parent

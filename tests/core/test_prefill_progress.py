@@ -84,3 +84,23 @@ def test_kv_events_show_how_far_a_chunked_prefill_has_got() -> None:
     assert ahead(100.2, "b") == first.uncached_tokens - len(half) * first.block_size
     r.first_token(first, 500.0)
     assert ahead(100.3, "c") == 0
+
+
+def test_pricing_does_not_walk_the_prefills_in_flight_where_no_events_can_tell(
+        monkeypatch) -> None:
+    """With 150 requests in flight, pricing an approximate worker must not go through every
+    pending prefill (it did, ~1.5 µs each on every decision: O(in flight)); finishing one
+    takes exactly that one out of the count, in any order."""
+    r = make_router(workers=("10.0.0.1:8000", "10.0.0.2:8000"))
+    pool = r.pools["default"]
+    routed = [r.route(InferenceRequest(model="m", prompt=f"prompt {i} " * 40), 100.0)
+              for i in range(150)]
+    walked: list[str] = []
+    monkeypatch.setattr(pool.directory, "stored_blocks",
+                        lambda w, hashes: walked.append(w) or 0)
+    r.route(InferenceRequest(model="m", prompt="one more " * 40), 100.1)
+    assert walked == []
+    for d in routed[::2]:
+        r.first_token(d, 101.0)
+    assert sum(w.pending_requests for w in pool.workers.values()) == 75 + 1
+    assert sum(len(p) for p in r._prefilling.values()) == 75 + 1

@@ -49,6 +49,19 @@ def test_common_prefix() -> None:
     assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4])) == 2
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=3000), st.binary(max_size=200), st.binary(max_size=200))
+def test_common_prefix_of_bytes_is_the_first_difference(shared, x, y) -> None:
+    """The bisection on slices agrees with the definition, wherever the texts part (in the
+    last 64-byte stretch it scans byte by byte, or before)."""
+    a, b = shared + x, shared + y
+    naive = next((i for i, (p, q) in enumerate(zip(a, b, strict=False)) if p != q),
+                 min(len(a), len(b)))
+    assert common_prefix(a, b) == naive
+    assert common_prefix(a, b) == common_prefix(np.frombuffer(a, np.uint8),
+                                                np.frombuffer(b, np.uint8))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30_000), st.binary(max_size=300)),
                 min_size=1, max_size=6))

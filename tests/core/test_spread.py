@@ -54,6 +54,27 @@ def test_replicas_routing_together_take_different_workers() -> None:
     assert "8 workers within" in ds[0].reason and "split between replicas" in ds[0].reason
 
 
+def test_a_replica_past_its_share_takes_what_the_others_would_use_last() -> None:
+    """Four replicas over eight idle workers own two each. One gets four requests at once,
+    the others one each: its third and fourth go to the others' second workers, which they
+    would use only for a second request of their own, so the seven land on seven workers."""
+    rs = replicas(4)
+    busy = [rs[0].route(doc(i), 100.0) for i in range(4)]
+    alone = [r.route(doc(10 + k), 100.0) for k, r in enumerate(rs[1:])]
+    assert len({d.chosen for d in busy + alone}) == 7
+    assert all("split between replicas" in d.reason for d in busy)  # not a hash's luck
+    s = ReplicaSpread("r0")
+    for other in ("r1", "r2", "r3"):
+        s.heard(other, 100.0)
+    picks = []
+    for _ in range(4):  # each pick leaves the near-ties, as a booking does
+        i = s.choose(list(EIGHT), [k for k in range(8) if EIGHT[k] not in picks], 100.0)
+        picks.append(EIGHT[i])
+        s.picked(EIGHT[i], 100.0)
+    # r0 owns workers 1 and 5 (address order modulo 4); then r1's and r2's second ones
+    assert [p.split(".")[3][0] for p in picks] == ["1", "5", "6", "7"]
+
+
 def test_a_clear_best_is_not_split() -> None:
     """A cached prefix (prefilled) is worth far more than the tolerance: every replica
     sends its request there."""

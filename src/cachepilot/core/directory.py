@@ -282,13 +282,18 @@ class PrefixDirectory:
         wb = self._workers.get(worker)
         return wb.epoch if wb is not None else 0
 
+    def has_events(self, worker: str) -> bool:
+        """Whether :meth:`stored_blocks` can say anything for ``worker``: it is read through
+        the engine's events and some have arrived."""
+        wb = self._workers.get(worker)
+        return wb is not None and wb.mode != APPROXIMATE and bool(wb.events)
+
     def stored_blocks(self, worker: str, hashes: Iterable[int]) -> int:
         """How many of these blocks the engine's events say ``worker`` holds (0 without an
         event stream): how far a prefill routed there has got."""
-        wb = self._workers.get(worker)
-        if wb is None or wb.mode == APPROXIMATE or not wb.events:
+        if not self.has_events(worker):
             return 0
-        events = wb.events
+        events = self._workers[worker].events
         return sum(1 for h in hashes if h in events)
 
     def event_blocks(self, worker: str) -> frozenset[int]:

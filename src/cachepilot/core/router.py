@@ -54,7 +54,7 @@ class Router:
         self._counter = 0
         # (pool, worker) → decisions sent there whose first token has not come: the
         # prefill in progress, which an engine's KV events show block by block.
-        self._prefilling: dict[tuple[str, str], list[Decision]] = {}
+        self._prefilling: dict[tuple[str, str], dict[int, Decision]] = {}  # by id()
 
     def add_plugin(self, plugin: Plugin) -> None:
         """Register a lifecycle plugin; it sees every request routed from now on. A replica
@@ -141,7 +141,7 @@ class Router:
         decision.prefill_pending = True
         worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
-        self._prefilling.setdefault((pool.name, decision.chosen), []).append(decision)
+        self._prefilling.setdefault((pool.name, decision.chosen), {})[id(decision)] = decision
         pool.directory.insert(decision.chosen, fp.hashes, learned_only=fp.fallback is not None)
         pool.note_arrival(now, decision.uncached_tokens)
         pool.seq += 1
@@ -302,11 +302,11 @@ class Router:
         (:attr:`WorkerMetrics.prefill_done_tokens`) when it says more than the scrape, so
         the record and a replay price the same queue."""
         pending = self._prefilling.get((pool.name, addr))
-        if not pending or w.metrics is None:
-            return w
         d = pool.directory
+        if not pending or w.metrics is None or not d.has_events(addr):
+            return w  # (an approximate worker's prefills say nothing: skip them, O(1))
         done = sum(min(p.uncached_tokens, p.block_size * d.stored_blocks(
-            addr, p.hashes[p.winner.matched_blocks:])) for p in pending)
+            addr, p.hashes[p.winner.matched_blocks:])) for p in pending.values())
         if done <= w.metrics.prefill_done_tokens:
             return w
         return replace(w, metrics=replace(w.metrics, prefill_done_tokens=done))
@@ -320,8 +320,7 @@ class Router:
         w = None if pool is None else pool.workers.get(decision.chosen)
         pending = self._prefilling.get((decision.pool, decision.chosen))
         if pending:
-            self._prefilling[(decision.pool, decision.chosen)] = [
-                p for p in pending if p is not decision]
+            pending.pop(id(decision), None)
         if w is not None:
             w.pending_requests = max(0, w.pending_requests - 1)
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - decision.uncached_tokens)

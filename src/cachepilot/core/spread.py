@@ -15,7 +15,8 @@ workers a decision values within ``rel_tolerance`` of the best (closer than the 
 can tell apart), every replica computes the same assignment, a round-robin matching of those
 workers to the active replicas (each replica first takes a worker of its own class: the
 workers' address order modulo the number of replicas), and takes its own share: its j-th
-pick within the window is its j-th assigned worker. The matching is computed on the view the
+pick within the window is its j-th assigned worker; past its share, the workers the others
+would use last (their deepest). The matching is computed on the view the
 others have: this replica's own picks within the window still count as free. Nothing
 changes when this replica is alone (no peer heard within ``silent_after_s``), or when one
 worker is clearly best (a cache hit, the only idle worker).
@@ -82,11 +83,15 @@ class ReplicaSpread:
         klass = {w: k % n for k, w in enumerate(sorted(workers))}
         local = {workers[i] for i in tied}
         free = sorted(local | (set(recent) & klass.keys()))
-        mine = _share(free, klass, n, rank)
-        j = len(recent)
+        shares = [_share(free, klass, n, q) for q in range(n)]
+        mine, j = shares[rank], len(recent)
         pick = next((w for w in mine[j:] if w in local), None)
         if pick is None:
             pick = next((w for w in mine if w in local), None)
+        if pick is None:  # more requests than its share: the others' least likely used
+            taken = set(recent)
+            pick = next((w for w in _spares(shares, rank) if w in local and w not in taken),
+                        None)
         return None if pick is None else list(workers).index(pick)
 
     def picked(self, worker: str, now: float) -> None:
@@ -94,6 +99,19 @@ class ReplicaSpread:
         if self._heard:
             self._recent(now)
             self._own.append((now, worker))
+
+
+def _spares(shares: list[list[str]], rank: int) -> list[str]:
+    """The other replicas' workers beyond their first, least likely in use first: a replica
+    takes its share front first, so its last workers are used only when it gets that many
+    requests at once; among equal depths, the replicas after ``rank`` first (two replicas
+    short of workers then look in different places). Never another's first worker: that one
+    is in use whenever its replica gets a request at all (taking those too did worse with 8
+    replicas on the development seeds)."""
+    n = len(shares)
+    order = [(rank + k) % n for k in range(1, n)]
+    depth = max((len(s) for s in shares), default=0)
+    return [shares[q][d] for d in range(depth - 1, 0, -1) for q in order if d < len(shares[q])]
 
 
 def _share(free: list[str], klass: dict[str, int], n: int, rank: int) -> list[str]:
