@@ -129,6 +129,22 @@ class Router:
         pool = self.pool_for(req.model)
         return pool, self.fingerprint(req, pool)
 
+    def replica_hold_s(self, req: InferenceRequest, now: float) -> float:
+        """How long this replica should hold ``req`` before routing it, in seconds (0: route
+        now): with other replicas routing, long uncached prompts take turns by replica
+        (:meth:`~cachepilot.core.spread.ReplicaSpread.hold_s`). Prices the request without
+        booking it; a request that cannot be routed is not held (routing says why)."""
+        spread = self.spread
+        if spread is None or not spread.active(now) or \
+                spread.replicas(now).index(spread.replica) == 0:
+            return 0.0
+        try:
+            pool, fp = self.prepare(req)
+            probe = self.decide(pool, req.model, fp, now, "hold", req)
+        except RequestError:
+            return 0.0
+        return spread.hold_s(probe.winner.prefill_ms, now)
+
     def book(self, decision: Decision, pool: Pool, fp: Fingerprint, req: InferenceRequest,
              now: float, started: float | None = None) -> Decision:
         """Commit a decision of :meth:`decide`: its worker counts it in flight and holds its

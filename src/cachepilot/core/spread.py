@@ -20,6 +20,11 @@ would use last (their deepest). The matching is computed on the view the
 others have: this replica's own picks within the window still count as free. Nothing
 changes when this replica is alone (no peer heard within ``silent_after_s``), or when one
 worker is clearly best (a cache hit, the only idle worker).
+
+What the split cannot know, how many requests of a group each other replica got, is
+settled by taking turns (:meth:`ReplicaSpread.hold_s`): where a request's prefill is long
+enough that a few milliseconds are nothing to it, the k-th replica holds it k bus delays,
+routing it on the placements of the replicas before it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ class ReplicaSpread:
     rel_tolerance: float = 0.1
     # A replica not heard from for this long is not routing.
     silent_after_s: float = 5.0
+    # How long a placement takes to reach the others: the gateway's bus flushes every 5 ms,
+    # plus transit (the simulator sets its bus delay plus a margin).
+    reach_s: float = 0.006
+    # The longest a replica holds a request, as a share of that request's own prefill (a
+    # collision costs the request that comes second a whole prefill; see hold_s).
+    hold_share: float = 0.03
     _heard: dict[str, float] = field(default_factory=dict)
     _own: deque[tuple[float, str]] = field(default_factory=deque)
 
@@ -93,6 +104,20 @@ class ReplicaSpread:
             pick = next((w for w in _spares(shares, rank) if w in local and w not in taken),
                         None)
         return None if pick is None else list(workers).index(pick)
+
+    def hold_s(self, prefill_ms: float, now: float) -> float:
+        """How long to hold a request whose prefill on its best worker is ``prefill_ms``
+        before routing it (0: route now). Requests that arrive together at different
+        replicas are routed before any hears of the others; the split above spreads the
+        near-ties, but not a clear best (the one idle worker) nor a replica that got more
+        of the group than its share. So the replicas take turns: the k-th in the common
+        order waits k times ``reach_s``, by which time the placements of those before it
+        have arrived, and routes on them. Only where that wait is at most ``hold_share``
+        of the request's own prefill: long, uncached prompts, where landing second on a
+        worker costs a whole prefill; never on a hit or a short prompt."""
+        names = self.replicas(now)
+        wait = names.index(self.replica) * self.reach_s
+        return wait if 0 < wait * 1000.0 <= self.hold_share * prefill_ms else 0.0
 
     def picked(self, worker: str, now: float) -> None:
         """This replica placed a request on ``worker``."""

@@ -74,7 +74,7 @@ class Phase(enum.Enum):
     NEW = "new"  # nothing known but, maybe, its method and path
     PASSTHROUGH = "passthrough"  # not inference: sent to any ready worker, nothing to watch
     FAILED = "failed"  # answered by the gateway with an error; no worker involved
-    HELD = "held"  # flow control holds it: no worker yet (cachepilot.core.flow)
+    HELD = "held"  # no worker yet: flow control holds it, or this replica waits its turn
     ROUTED = "routed"  # a worker was chosen and booked; its response is awaited
     RESPONDING = "responding"  # the response's headers arrived
     DONE = "done"  # released: the lifecycle's end was reported
@@ -119,13 +119,25 @@ def too_large(limit: int) -> RequestError:
                         code="body_too_large")
 
 
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A request this replica routes after ``wait_s``, once the placements of the replicas
+    before it in their common order have arrived (:meth:`ReplicaSpread.hold_s`)."""
+
+    req: InferenceRequest
+    wait_s: float
+    only: Collection[str] | None
+    started: float
+    headers: Mapping[str, str] | None
+
+
 class Pending(Generic[R]):
     """What an adapter answers once a held request leaves flow control's queue: ``then``
     builds the answers from its decision, ``fail`` from its refusal. The servicer awaits
     :meth:`answers`; a client that leaves meanwhile cancels the wait, which takes the
     request out of the queue at once."""
 
-    def __init__(self, director: Director, ex: Exchange, ticket: Ticket,
+    def __init__(self, director: Director, ex: Exchange, ticket: Ticket | Turn,
                  then: Callable[[Decision], list[R]],
                  fail: Callable[[RequestError], list[R]]) -> None:
         self.director, self.ex, self.ticket = director, ex, ticket
@@ -179,9 +191,10 @@ class Director:
 
     def route(self, ex: Exchange, raw: bytes, *, only: Collection[str] | None = None,
               unparseable_by_load: bool = False,
-              headers: Mapping[str, str] | None = None) -> Decision | Ticket:
-        """Parse the whole body and route it, or hold it (a Ticket: :meth:`wait` for its
-        decision) when flow control is on and no worker should take it now. ``only``: the
+              headers: Mapping[str, str] | None = None) -> Decision | Ticket | Turn:
+        """Parse the whole body and route it, or hold it (:meth:`wait` for its decision): a
+        Ticket when flow control is on and no worker should take it now, a Turn when this
+        replica routes a long prompt after the others' placements arrive. ``only``: the
         workers that may be picked (the proxy's subset hint). ``unparseable_by_load``: a
         body that is not a JSON object is routed by load alone (the engine answers it)
         instead of refused. ``headers``: the request headers flow control reads (tenant,
@@ -197,6 +210,14 @@ class Director:
         except RequestError as err:
             raise self.fail(ex, err) from None
         ex.stream = req.stream
+        wait = self.router.replica_hold_s(req, self.clock())
+        if wait > 0:  # this replica's turn on a long prompt comes later (core.spread)
+            ex.phase = Phase.HELD
+            return Turn(req, wait, only, started, headers)
+        return self._admit(ex, req, only, started, headers)
+
+    def _admit(self, ex: Exchange, req: InferenceRequest, only: Collection[str] | None,
+               started: float, headers: Mapping[str, str] | None) -> Decision | Ticket:
         flow = self.flow
         try:
             if flow is None:
@@ -217,9 +238,20 @@ class Director:
             ex.phase = Phase.HELD
         return out
 
-    async def wait(self, ex: Exchange, ticket: Ticket) -> Decision:
-        """The decision of a held request, once flow control dispatches it; its refusal
-        raised (already reported). Cancelled (its client left): out of the queue at once."""
+    async def wait(self, ex: Exchange, ticket: Ticket | Turn) -> Decision:
+        """The decision of a held request, once its replica's turn comes and flow control
+        dispatches it; its refusal raised (already reported). Cancelled (its client left):
+        out of the queue at once."""
+        if isinstance(ticket, Turn):
+            try:
+                await asyncio.sleep(ticket.wait_s)
+            except asyncio.CancelledError:
+                ex.phase = Phase.FAILED
+                raise
+            routed = self._admit(ex, ticket.req, ticket.only, ticket.started, ticket.headers)
+            if isinstance(routed, Decision):
+                return routed
+            ticket = routed
         assert self.flow is not None
         if ticket.state == QUEUED:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -31,7 +31,14 @@ from cachepilot.core.decision import Decision
 from cachepilot.core.flow.classify import header_names
 from cachepilot.core.flow.queue import Ticket
 from cachepilot.core.request import RequestError
-from cachepilot.gateway.director import Director, Exchange, GatewayOptions, Pending, Phase
+from cachepilot.gateway.director import (
+    Director,
+    Exchange,
+    GatewayOptions,
+    Pending,
+    Phase,
+    Turn,
+)
 from cachepilot.gateway.protocol import (
     CHOSEN_KEY,
     DECISION_HEADER,
@@ -219,7 +226,7 @@ class EnvoyStreams:
             return [immediate(err)]
         return self._answer(s, routed, _routed_body_answers)
 
-    def _route(self, s: RoutingStream, raw: bytes) -> Decision | Ticket:
+    def _route(self, s: RoutingStream, raw: bytes) -> Decision | Ticket | Turn:
         routed = self.director.route(s.ex, raw, unparseable_by_load=True, headers=s.headers)
         if isinstance(routed, Decision):
             self._routed(s, routed)
@@ -233,7 +240,7 @@ class EnvoyStreams:
             self.handover.expect(decision, s.ex)
             self.sweep(s.ex.started)  # also here: the stall watch may be off
 
-    def _answer(self, s: RoutingStream, routed: Decision | Ticket,
+    def _answer(self, s: RoutingStream, routed: Decision | Ticket | Turn,
                 build: Callable[[RoutingStream, Decision], list[ep.ProcessingResponse]]
                 ) -> Answers:
         """The routing answer now, or once the held request is dispatched."""

@@ -51,6 +51,8 @@ from cachepilot.sim.slot_engine import make_engine
 from cachepilot.sim.workloads import BLOCK, MODEL, SimRequest, Workload
 
 ARRIVAL, STEP_END, SCRAPE, SYNC, HEARTBEAT, FLOW = 0, 1, 2, 3, 4, 5
+# Beyond the bus delay, before a replica whose turn it is routes (ReplicaSpread.reach_s).
+REACH_MARGIN_S = 0.0005
 # Synced replicas send the ids they have in flight this often, as the gateway's bus does
 # (cachepilot.gateway.replica_bus): it is also how each hears that the others are routing.
 HEARTBEAT_S = 1.0
@@ -180,6 +182,10 @@ class Simulator:
             life = lifecycle_plugins(learn=config.learn, replica=f"r{i}" if shared else None,
                                      sink=sink, extra=plugins)
             router = Router([pool], id_prefix=f"sim{i or ''}", plugins=life.plugins)
+            if shared and life.sync is not None and life.sync.spread is not None:
+                # A placement reaches the others after the bus delay; the turns replicas
+                # take on long prompts (ReplicaSpread.hold_s) wait that, with a margin.
+                life.sync.spread.reach_s = config.sync_delay_s + REACH_MARGIN_S
             self.replicas.append(_Replica(pool, router, life.predictor, life.sync))
         first = self.replicas[0]
         self.pool, self.router, self.predictor = first.pool, first.router, first.predictor
@@ -274,17 +280,25 @@ class Simulator:
             self.now = t
             events += 1
             if kind == ARRIVAL:
-                r: SimRequest = payload
+                held = isinstance(payload, tuple)  # (request, replica): its turn came
+                if held:
+                    r, router = payload
+                else:
+                    r = payload
+                    router = self._replica_for(r, arrivals)
+                    arrivals += 1
                 if interval <= 0:
                     self.scrape(t)
                 out = RequestResult(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
-                router = self._replica_for(r, arrivals)
-                arrivals += 1
                 # What the client asked for (a cap: flow control's estimate of the output),
                 # which the engine's real length (max_tokens) may not reach.
                 cap = r.extra.get("client_max_tokens", r.max_tokens)
                 ireq = InferenceRequest(model=MODEL, max_tokens=cap, fingerprint=r.fp,
                                         user_start=r.user_start, prefix_key=r.prefix_key)
+                wait = 0.0 if held else router.replica_hold_s(ireq, t)
+                if wait > 0:  # replicas take turns on a long prompt (core.spread)
+                    self._push(t + wait, ARRIVAL, (r, router))
+                    continue
                 meta = meta_of(r.extra)
                 out.tenant, out.priority = meta.tenant, meta.priority
                 try:

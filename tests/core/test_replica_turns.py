@@ -1,0 +1,129 @@
+"""Replicas take turns on long prompts (core.spread's hold): requests arriving together at
+different replicas are routed before any replica hears of the others, so the k-th replica in
+their common order waits k bus delays and routes on the placements of those before it,
+where that wait is a small share of the request's own prefill. The simulator and the
+gateway drive the same rule."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import orjson
+import pytest
+
+from cachepilot.core import InferenceRequest
+from cachepilot.core.spread import ReplicaSpread
+from cachepilot.core.sync import ReplicaSync
+from cachepilot.gateway.director import Pending
+from cachepilot.gateway.protocol import DESTINATION_HEADER
+from cachepilot.lab.replicas import BUS_DELAY_S, replica_workloads
+from cachepilot.sim import Simulator, generate
+from cachepilot.sim.workloads import Dist
+
+from helpers.extproc_msgs import body, headers, set_headers
+from helpers.gateway_box import Box
+from helpers.routers import make_router
+
+pytestmark = pytest.mark.timeout(30)
+EIGHT = tuple(f"10.0.0.{i}:8000" for i in range(1, 9))
+LONG = "a long document nobody has sent before " * 2000  # ~20k tokens: a prefill of seconds
+
+
+def test_the_kth_replica_waits_k_bus_delays_where_that_is_small_beside_the_prefill() -> None:
+    s = ReplicaSpread("r2", reach_s=0.006, hold_share=0.03)
+    assert s.hold_s(10_000.0, 100.0) == 0.0  # alone: never
+    for r in ("r0", "r1", "r3"):
+        s.heard(r, 100.0)
+    assert s.hold_s(10_000.0, 100.0) == pytest.approx(0.012)  # third in order: 2 x 6 ms
+    assert s.hold_s(300.0, 100.0) == 0.0  # 12 ms is more than 3 % of 300 ms
+    assert ReplicaSpread("r0", _heard={"r1": 100.0}).hold_s(10_000.0, 100.0) == 0.0  # first
+
+
+def routers(n: int, workers: tuple[str, ...] = EIGHT) -> list:
+    out = []
+    names = [f"r{i}" for i in range(n)]
+    for name in names:
+        router = make_router(workers=workers)
+        sync = ReplicaSync(name)
+        router.add_plugin(sync)
+        for other in names:
+            sync.spread.heard(other, 100.0)
+        out.append(router)
+    return out
+
+
+def test_a_later_replica_holds_a_long_prompt_and_then_routes_on_the_earlier_placement() -> None:
+    """Two replicas, two idle workers, a long new prompt at each at once: the first routes
+    now, the second holds it, and once the first's placement has arrived over the bus it
+    goes to the other worker (without the turn, both take the same best one)."""
+    r0, r1 = routers(2, EIGHT[:2])
+    a = InferenceRequest(model="m", prompt=LONG + "question a")
+    b = InferenceRequest(model="m", prompt="other " + LONG + "question b")
+    assert r0.replica_hold_s(a, 100.0) == 0.0
+    wait = r1.replica_hold_s(b, 100.0)
+    assert wait == pytest.approx(r1.spread.reach_s)
+    short = InferenceRequest(model="m", prompt="a short question")
+    assert r1.replica_hold_s(short, 100.0) == 0.0  # a few ms would matter to it
+    first = r0.route(a, 100.0)
+    for e in r0.plugins[-1].drain():  # the bus delivers within the wait
+        r1.plugins[-1].apply(e, r1, 100.0 + wait / 2)
+    assert r1.route(b, 100.0 + wait).chosen != first.chosen
+
+
+def test_synced_replicas_spread_a_group_like_one_replica() -> None:
+    """The replicas study's grouped workload, shortened, every arrival bringing six
+    requests at once: four synced replicas give them as many different workers as one
+    replica does."""
+    spec, cfg = replica_workloads(None)["grouped"]
+    wl = generate(spec.with_(duration=40.0, together=Dist(6)), 3)
+
+    def spread_of(sim: Simulator) -> float:
+        groups: dict[float, set[str]] = {}
+        for o in sim.run(wl).results:
+            groups.setdefault(o.arrival, set()).add(o.worker)
+        return sum(len(g) for g in groups.values()) / len(groups)
+
+    four = replace(cfg, replicas=4, sharing="random", sync_delay_s=BUS_DELAY_S)
+    assert spread_of(Simulator(four)) >= spread_of(Simulator(cfg)) - 0.1
+
+
+def _box_behind(replica: str = "r1") -> Box:
+    """A gateway whose replica comes second, having heard r0."""
+    router = make_router(workers=EIGHT[:2])
+    sync = ReplicaSync(replica)
+    sync.spread.heard("r0", 100.0)
+    return Box(router, plugins=(sync,))
+
+
+async def test_the_gateway_answers_a_held_turn_after_the_wait_in_both_protocols() -> None:
+    raw = orjson.dumps({"model": "m", "prompt": LONG})
+    box = _box_behind()
+    s = box.stream(body_only=True, observe="off", path="/v1/completions")
+    out = box.handle(s, body(raw))
+    assert isinstance(out, Pending) and s.ex.decision is None
+    [resp] = await out.answers()
+    assert set_headers(resp)[DESTINATION_HEADER] in EIGHT[:2] and s.ex.decision is not None
+    epp = box.epp()
+    assert epp.handle(headers("/v1/completions")) == []
+    assert not isinstance(epp.handle(body(raw)), Pending)  # a hit now: nothing to wait for
+    epp = box.epp()
+    assert epp.handle(headers("/v1/completions")) == []
+    held = epp.handle(body(orjson.dumps({"model": "m", "prompt": "new " + LONG})))
+    assert isinstance(held, Pending)
+    first, *_ = await held.answers()
+    assert set_headers(first)[DESTINATION_HEADER] in EIGHT[:2]
+
+
+async def test_a_client_that_leaves_during_its_turn_is_routed_nowhere() -> None:
+    box = _box_behind()
+    s = box.stream(body_only=True, observe="off", path="/v1/completions")
+    out = box.handle(s, body(orjson.dumps({"model": "m", "prompt": LONG})))
+    assert isinstance(out, Pending)
+    task = asyncio.ensure_future(out.answers())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pool = box.router.pools["default"]
+    assert s.ex.decision is None and sum(w.inflight for w in pool.workers.values()) == 0
