@@ -109,6 +109,8 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
     gport = free_port_run(processes + (processes > 1))
     aport = free_port_run(processes)
     exact = ["--tokenizer", args.tokenizer, "--vllm-hash-seed", "0"] if kind == "exact" else []
+    if kind == "routing-only":  # approximate, without the observing stream
+        exact = ["--no-observe-responses"]
     p = procs.spawn(f"{kind}-{gport}", [
         sys.executable, "-m", "cachepilot", "gateway", "--listen", f"127.0.0.1:{gport}",
         "--admin-port", str(aport), "--workers", ",".join(workers), "--engine", "vllm",
@@ -156,7 +158,8 @@ async def closed_loop(ports: list[int], pids: list[int], bodies: list[bytes], n:
 
 
 def sweep_prompts(procs: Procs, workers: list[str], args: argparse.Namespace) -> list[dict]:
-    kinds = ["noop", "approximate"] + (["exact"] if args.tokenizer else [])
+    kinds = (["noop", "approximate"] + (["routing-only"] if args.routing_only else [])
+             + (["exact"] if args.tokenizer else []))
     rows = []
     servers = {k: start_server(procs, k, workers, args) for k in kinds}
     try:
@@ -169,7 +172,7 @@ def sweep_prompts(procs: Procs, workers: list[str], args: argparse.Namespace) ->
                     if kind == "exact" and kb > args.exact_max_kb:
                         continue
                     r = asyncio.run(closed_loop(ports, family(p), bodies, n,
-                                                observe=kind != "noop"))
+                                                observe=kind not in ("noop", "routing-only")))
                     rows.append({"kb": kb, "kind": kind, **r})
                     print(f"  prompt {kb:>6g} KB {kind:>11}: p50 {r['p50_ms']:7.2f} ms, "
                           f"{r['cpu_ms_per_request']:6.2f} CPU ms/req", flush=True)
@@ -262,6 +265,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300, help="per cell")
     ap.add_argument("--repeats", type=int, default=2, help="prompt sweep rounds, interleaved")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json: exact mode too")
+    ap.add_argument("--routing-only", action="store_true",
+                    help="also approximate mode without the observing stream (what it costs)")
     ap.add_argument("--exact-max-kb", type=float, default=220)
     ap.add_argument("--sweeps", default="prompts,workers,directory,processes")
     ap.add_argument("--quick", action="store_true", help="few requests, small sweeps")
@@ -317,7 +322,8 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
              "are inflated alike; read the ratios).", ""]
     if "prompts" in results:
         rows = results["prompts"]
-        kinds = sorted({r["kind"] for r in rows}, key=["noop", "approximate", "exact"].index)
+        kinds = sorted({r["kind"] for r in rows},
+                       key=["noop", "approximate", "routing-only", "exact"].index)
         lat = _median_by(rows, ("kb", "kind"), "p50_ms")
         cpu = _median_by(rows, ("kb", "kind"), "cpu_ms_per_request")
         lines += ["## Prompt size", "", "Routing answer p50 (ms) / gateway CPU per request "

@@ -243,12 +243,15 @@ class Director:
         dispatches it; its refusal raised (already reported). Cancelled (its client left):
         out of the queue at once."""
         if isinstance(ticket, Turn):
+            slept = time.perf_counter()
             try:
                 await asyncio.sleep(ticket.wait_s)
             except asyncio.CancelledError:
                 ex.phase = Phase.FAILED
                 raise
-            routed = self._admit(ex, ticket.req, ticket.only, ticket.started, ticket.headers)
+            # The decision's latency is the gateway's work on it, not the turn it waited.
+            started = ticket.started + time.perf_counter() - slept
+            routed = self._admit(ex, ticket.req, ticket.only, started, ticket.headers)
             if isinstance(routed, Decision):
                 return routed
             ticket = routed
