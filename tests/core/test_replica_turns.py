@@ -2,12 +2,12 @@
 different replicas are routed before any replica hears of the others, so the k-th replica in
 their common order waits k bus delays and routes on the placements of those before it,
 where that wait is a small share of the request's own prefill. The simulator and the
-gateway drive the same rule."""
+gateway drive the same rule (the grouped workload's spread with it:
+tests/core/test_spread.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import orjson
 import pytest
@@ -17,16 +17,12 @@ from cachepilot.core.spread import ReplicaSpread
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.gateway.director import Pending
 from cachepilot.gateway.protocol import DESTINATION_HEADER
-from cachepilot.lab.replicas import BUS_DELAY_S, replica_workloads
-from cachepilot.sim import Simulator, generate
-from cachepilot.sim.workloads import Dist
 
 from helpers.extproc_msgs import body, headers, set_headers
 from helpers.gateway_box import Box
-from helpers.routers import make_router
+from helpers.routers import EIGHT, make_router, synced_routers
 
 pytestmark = pytest.mark.timeout(30)
-EIGHT = tuple(f"10.0.0.{i}:8000" for i in range(1, 9))
 LONG = "a long document nobody has sent before " * 2000  # ~20k tokens: a prefill of seconds
 
 
@@ -40,24 +36,11 @@ def test_the_kth_replica_waits_k_bus_delays_where_that_is_small_beside_the_prefi
     assert ReplicaSpread("r0", _heard={"r1": 100.0}).hold_s(10_000.0, 100.0) == 0.0  # first
 
 
-def routers(n: int, workers: tuple[str, ...] = EIGHT) -> list:
-    out = []
-    names = [f"r{i}" for i in range(n)]
-    for name in names:
-        router = make_router(workers=workers)
-        sync = ReplicaSync(name)
-        router.add_plugin(sync)
-        for other in names:
-            sync.spread.heard(other, 100.0)
-        out.append(router)
-    return out
-
-
 def test_a_later_replica_holds_a_long_prompt_and_then_routes_on_the_earlier_placement() -> None:
     """Two replicas, two idle workers, a long new prompt at each at once: the first routes
     now, the second holds it, and once the first's placement has arrived over the bus it
     goes to the other worker (without the turn, both take the same best one)."""
-    r0, r1 = routers(2, EIGHT[:2])
+    r0, r1 = synced_routers(2, EIGHT[:2])
     a = InferenceRequest(model="m", prompt=LONG + "question a")
     b = InferenceRequest(model="m", prompt="other " + LONG + "question b")
     assert r0.replica_hold_s(a, 100.0) == 0.0
@@ -69,23 +52,6 @@ def test_a_later_replica_holds_a_long_prompt_and_then_routes_on_the_earlier_plac
     for e in r0.plugins[-1].drain():  # the bus delivers within the wait
         r1.plugins[-1].apply(e, r1, 100.0 + wait / 2)
     assert r1.route(b, 100.0 + wait).chosen != first.chosen
-
-
-def test_synced_replicas_spread_a_group_like_one_replica() -> None:
-    """The replicas study's grouped workload, shortened, every arrival bringing six
-    requests at once: four synced replicas give them as many different workers as one
-    replica does."""
-    spec, cfg = replica_workloads(None)["grouped"]
-    wl = generate(spec.with_(duration=40.0, together=Dist(6)), 3)
-
-    def spread_of(sim: Simulator) -> float:
-        groups: dict[float, set[str]] = {}
-        for o in sim.run(wl).results:
-            groups.setdefault(o.arrival, set()).add(o.worker)
-        return sum(len(g) for g in groups.values()) / len(groups)
-
-    four = replace(cfg, replicas=4, sharing="random", sync_delay_s=BUS_DELAY_S)
-    assert spread_of(Simulator(four)) >= spread_of(Simulator(cfg)) - 0.1
 
 
 def _box_behind(replica: str = "r1") -> Box:

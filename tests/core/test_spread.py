@@ -13,24 +13,7 @@ from cachepilot.lab.replicas import BUS_DELAY_S, replica_workloads
 from cachepilot.sim import Simulator, generate
 from cachepilot.sim.workloads import Dist
 
-from helpers.routers import make_router
-
-EIGHT = tuple(f"10.0.0.{i}:8000" for i in range(1, 9))
-
-
-def replicas(n: int) -> list:
-    """``n`` routers over the same eight idle workers, each with its sync plugin, each
-    having heard the others (as their heartbeats make them)."""
-    out = []
-    names = [f"r{i}" for i in range(n)]
-    for name in names:
-        router = make_router(workers=EIGHT)
-        sync = ReplicaSync(name)
-        router.add_plugin(sync)
-        for other in names:
-            sync.spread.heard(other, 100.0)
-        out.append(router)
-    return out
+from helpers.routers import EIGHT, make_router, synced_routers
 
 
 def doc(i: int) -> InferenceRequest:
@@ -48,7 +31,7 @@ def test_replicas_routing_together_take_different_workers() -> None:
     """Four replicas, two requests each at the same instant, none yet heard of the others'
     placements: eight different workers (without the split, each replica's first pick is
     the same best-valued worker)."""
-    rs = replicas(4)
+    rs = synced_routers(4)
     ds = [r.route(doc(10 * k + i), 100.0) for k in range(2) for i, r in enumerate(rs)]
     assert sorted(d.chosen for d in ds) == sorted(EIGHT)
     assert "8 workers within" in ds[0].reason and "split between replicas" in ds[0].reason
@@ -58,7 +41,7 @@ def test_a_replica_past_its_share_takes_what_the_others_would_use_last() -> None
     """Four replicas over eight idle workers own two each. One gets four requests at once,
     the others one each: its third and fourth go to the others' second workers, which they
     would use only for a second request of their own, so the seven land on seven workers."""
-    rs = replicas(4)
+    rs = synced_routers(4)
     busy = [rs[0].route(doc(i), 100.0) for i in range(4)]
     alone = [r.route(doc(10 + k), 100.0) for k, r in enumerate(rs[1:])]
     assert len({d.chosen for d in busy + alone}) == 7
@@ -78,7 +61,7 @@ def test_a_replica_past_its_share_takes_what_the_others_would_use_last() -> None
 def test_a_clear_best_is_not_split() -> None:
     """A cached prefix (prefilled) is worth far more than the tolerance: every replica
     sends its request there."""
-    rs = replicas(4)
+    rs = synced_routers(4)
     held = rs[0].route(doc(7), 100.0)
     rs[0].first_token(held, 60.0)
     for e in rs[0].plugins[-1].drain():
@@ -97,9 +80,10 @@ def test_a_silent_replica_leaves_the_split() -> None:
 
 
 def test_synced_replicas_place_a_group_like_one_replica() -> None:
-    """The replicas study's grouped workload, shortened: with the split, a group arriving
-    together at four synced replicas is spread over as many workers as one replica spreads
-    it (within one), where without it they pile up."""
+    """The replicas study's grouped workload, shortened: with the split and the turns on
+    long prompts, a group arriving together at four synced replicas is spread over as many
+    workers as one replica spreads it (within 0.1 on average), where without them they pile
+    up."""
     spec, cfg = replica_workloads(None)["grouped"]
     wl = generate(spec.with_(duration=40.0, together=Dist(6)), 3)
 
@@ -115,9 +99,9 @@ def test_synced_replicas_place_a_group_like_one_replica() -> None:
     off = Simulator(four)
     for rep in off.replicas:
         rep.sync.spread.rel_tolerance = 0.0
-        rep.sync.spread.heard = lambda *a: None  # never hears the others: no split
+        rep.sync.spread.heard = lambda *a: None  # never hears the others: no split, no turns
     unsplit = spread_of(off)
-    assert synced >= one - 1.0 and synced > unsplit
+    assert synced >= one - 0.1 and synced > unsplit
 
 
 def test_together_brings_requests_at_the_same_instant_and_leaves_others_alone() -> None:

@@ -135,8 +135,7 @@ class Router:
         (:meth:`~cachepilot.core.spread.ReplicaSpread.hold_s`). Prices the request without
         booking it; a request that cannot be routed is not held (routing says why)."""
         spread = self.spread
-        if spread is None or not spread.active(now) or \
-                spread.replicas(now).index(spread.replica) == 0:
+        if spread is None or spread.turn(now) == 0:  # alone, or first: never held
             return 0.0
         try:
             pool, fp = self.prepare(req)

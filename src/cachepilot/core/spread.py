@@ -71,6 +71,10 @@ class ReplicaSpread:
     def active(self, now: float) -> bool:
         return len(self.replicas(now)) > 1
 
+    def turn(self, now: float) -> int:
+        """This replica's place in the common order: 0 when it is first, or alone."""
+        return self.replicas(now).index(self.replica)
+
     def tolerance(self, best: float, base: float) -> float:
         """The tie tolerance of a decision whose best value is ``best`` (a policy's values
         are minus milliseconds): the policy's own, or ``rel_tolerance`` of the best."""
@@ -115,8 +119,7 @@ class ReplicaSpread:
         have arrived, and routes on them. Only where that wait is at most ``hold_share``
         of the request's own prefill: long, uncached prompts, where landing second on a
         worker costs a whole prefill; never on a hit or a short prompt."""
-        names = self.replicas(now)
-        wait = names.index(self.replica) * self.reach_s
+        wait = self.turn(now) * self.reach_s
         return wait if 0 < wait * 1000.0 <= self.hold_share * prefill_ms else 0.0
 
     def picked(self, worker: str, now: float) -> None:
