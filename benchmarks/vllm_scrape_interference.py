@@ -7,14 +7,16 @@ measures one worker's TTFT, requests sent to it directly (no router in the path)
 different things run beside it, in interleaved rounds:
 
 - ``none``: no router process at all;
-- ``gateway``: the gateway (KV events, ``/metrics`` scraped every 0.25 s, the default) + Envoy;
-- ``gateway-scrape-N``: the same with ``--scrape-interval N``;
+- ``gateway-scrape-N``: the gateway (KV events, ``/metrics`` scraped every N s) + Envoy, for
+  each N of ``--scrape-intervals`` (default 0.25, 1 and 5: the old CLI default, vLLM's
+  default since, and a slow one);
 - ``sglang``: sglang-router in front of the workers (what the peer costs the engine).
 
 Each trial is a cold request (a new document) and then a warm one (same document, new
 question), one at a time. Prints the median TTFT per variant and its ratio to ``none``.
 
-    CACHEPILOT_VLLM_VENV=.venv-vllm python benchmarks/vllm_scrape_interference.py --rounds 3
+    CACHEPILOT_VLLM_VENV=.venv-vllm python benchmarks/vllm_scrape_interference.py --rounds 4 \
+        --trials 10 [--scrape-intervals 0.25,1,5]
 """
 
 from __future__ import annotations
@@ -75,13 +77,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=6, help="cold+warm pairs per variant/round")
     ap.add_argument("--words", type=int, default=900)
-    ap.add_argument("--slow-scrape", type=float, default=5.0)
+    ap.add_argument("--scrape-intervals", default="0.25,1,5",
+                    help="the gateway's --scrape-interval values to compare (s, comma-separated)")
     args = ap.parse_args()
     why = missing()
     if why:
         print(why, file=sys.stderr)
         return 2
-    variants = ["none", "gateway", f"gateway-scrape-{args.slow_scrape:g}", "sglang"]
+    try:
+        intervals = {f"gateway-scrape-{float(x):g}": float(x)
+                     for x in args.scrape_intervals.split(",")}
+    except ValueError:
+        print(f"--scrape-intervals: not a list of seconds: {args.scrape_intervals!r}",
+              file=sys.stderr)
+        return 2
+    variants = ["none", *intervals, "sglang"]
     cold: dict[str, list[float]] = {v: [] for v in variants}
     warm: dict[str, list[float]] = {v: [] for v in variants}
     rng = random.Random(7)
@@ -94,7 +104,7 @@ def main() -> int:
             rng.shuffle(order)
             for v in order:
                 if v.startswith("gateway"):
-                    stack.scrape_s = args.slow_scrape if v != "gateway" else 0.25
+                    stack.scrape_s = intervals[v]
                     stack.start_router("priced", None)
                 elif v == "sglang":
                     stack.start_router(None, ROUTERS["sglang_cache_aware"])

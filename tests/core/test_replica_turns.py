@@ -17,6 +17,8 @@ from cachepilot.core.spread import ReplicaSpread
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.gateway.director import Pending
 from cachepilot.gateway.protocol import DESTINATION_HEADER
+from cachepilot.records.explain import turn_line
+from cachepilot.records.schema import decision_to_record
 
 from helpers.extproc_msgs import body, headers, set_headers
 from helpers.gateway_box import Box
@@ -70,15 +72,25 @@ async def test_the_gateway_answers_a_held_turn_after_the_wait_in_both_protocols(
     assert isinstance(out, Pending) and s.ex.decision is None
     [resp] = await out.answers()
     assert set_headers(resp)[DESTINATION_HEADER] in EIGHT[:2] and s.ex.decision is not None
+    # The turn is explained: in the decision's record and the gateway's metrics.
+    rec = decision_to_record(s.ex.decision)
+    assert rec["turn_ms"] >= box.router.spread.reach_s * 1000 * 0.9
+    assert "held it" in (turn_line(rec) or "")
+    assert box.metrics.replica_turns.labels("default")._value.get() == 1
     epp = box.epp()
     assert epp.handle(headers("/v1/completions")) == []
-    assert not isinstance(epp.handle(body(raw)), Pending)  # a hit now: nothing to wait for
+    hit = epp.handle(body(raw))
+    assert not isinstance(hit, Pending)  # a hit now: nothing to wait for
+    assert box.sink.decisions[-1][0].turn_ms == 0.0
+    assert turn_line(decision_to_record(box.sink.decisions[-1][0])) is None
     epp = box.epp()
     assert epp.handle(headers("/v1/completions")) == []
     held = epp.handle(body(orjson.dumps({"model": "m", "prompt": "new " + LONG})))
     assert isinstance(held, Pending)
     first, *_ = await held.answers()
     assert set_headers(first)[DESTINATION_HEADER] in EIGHT[:2]
+    assert box.metrics.replica_turns.labels("default")._value.get() == 2
+    assert box.metrics.replica_turn_seconds.labels("default")._value.get() > 0.01
 
 
 async def test_a_client_that_leaves_during_its_turn_is_routed_nowhere() -> None:

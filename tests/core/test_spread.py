@@ -11,6 +11,7 @@ from cachepilot.core.spread import ReplicaSpread
 from cachepilot.core.sync import ReplicaSync
 from cachepilot.lab.replicas import BUS_DELAY_S, replica_workloads
 from cachepilot.sim import Simulator, generate
+from cachepilot.sim.simulator import REACH_MARGIN_S
 from cachepilot.sim.workloads import Dist
 
 from helpers.routers import EIGHT, make_router, synced_routers
@@ -96,6 +97,12 @@ def test_synced_replicas_place_a_group_like_one_replica() -> None:
 
     four = replace(cfg, replicas=4, sharing="random", sync_delay_s=BUS_DELAY_S)
     one, synced = spread_of(Simulator(cfg)), spread_of(Simulator(four))
+    # Each turn is recorded: the k-th replica's wait, k x the reach (none with one replica).
+    reach = BUS_DELAY_S + REACH_MARGIN_S
+    turns = [o.turn_s / reach for o in Simulator(four).run(wl).results if o.turn_s > 0]
+    assert turns and {round(k) for k in turns} <= {1, 2, 3}
+    assert all(abs(k - round(k)) < 1e-6 for k in turns)
+    assert not any(o.turn_s for o in Simulator(cfg).run(wl).results)
     off = Simulator(four)
     for rep in off.replicas:
         rep.sync.spread.rel_tolerance = 0.0

@@ -18,6 +18,12 @@ from cachepilot.core.router import Router, static_router
 from cachepilot.core.vllm_prompt import VllmPrompts
 from cachepilot.tooling.stack import PortInUseError, check_port_free
 
+# How often each worker's /metrics is scraped by default, by engine. vLLM's API server
+# renders them in Python on the CPUs its engine runs on; at 4 Hz that slowed a CPU worker's
+# TTFT measurably (benchmarks/vllm_scrape_interference.py, docs/real-model.md). KV events
+# carry its cache state, and the gateway counts what it sent itself, so 1 s (a
+# CachePilotPool's default) loses little.
+SCRAPE_INTERVAL_S = {"vllm": 1.0}
 
 def parse_weights(text: str | None) -> Weights:
     """``prefill=1,load=2,kv=0.5`` → Weights; unknown names are an error, not ignored."""
@@ -120,7 +126,10 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               metavar="TOKENS",
               help="llama.cpp workers: their -ub (llama-server's default), where the context "
                    "checkpoints a sliding-window model reuses from fall.")
-@click.option("--scrape-interval", type=float, default=0.25, show_default=True)
+@click.option("--scrape-interval", type=click.FloatRange(min=0.01), default=None,
+              help="Seconds between scrapes of each worker's /metrics [default: 1 for vLLM, "
+                   "whose API server renders them on the engine's CPUs (docs/real-model.md), "
+                   "as a CachePilotPool does; 0.25 for the other engines].")
 @click.option("--scrape-timeout", type=float, default=1.0, show_default=True,
               help="Seconds a worker's /metrics may take (llama.cpp answers between batches).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
@@ -194,7 +203,7 @@ def routing_options(f):  # type: ignore[no-untyped-def]
 def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str | None,
                 workers: str, kubernetes: bool, namespace: str, lease_name: str,
                 epp_service: str | None, models: tuple[str, ...], engine: str,
-                scrape_interval: float, scrape_timeout: float, max_body_bytes: int,
+                scrape_interval: float | None, scrape_timeout: float, max_body_bytes: int,
                 stall_after: float, standby: bool, decision_log: str | None,
                 capture_prompts: bool, calibrate: bool, predictor_state: str | None,
                 observe_responses: bool, policy: str,
@@ -273,7 +282,9 @@ def gateway_cmd(listen: str, admin_host: str, admin_port: int, admin_token: str 
 
         kv_endpoints = kv_sources = KVEventSources(fallback=kv_endpoints)
     config = GatewayConfig(grpc_address=listen, admin_host=admin_host, admin_port=admin_port,
-                           admin_token=admin_token, scrape_interval_s=scrape_interval,
+                           admin_token=admin_token,
+                           scrape_interval_s=(SCRAPE_INTERVAL_S.get(engine, 0.25)
+                                              if scrape_interval is None else scrape_interval),
                            scrape_timeout_s=scrape_timeout,
                            decision_log=decision_log, calibrate=calibrate,
                            predictor_state=predictor_state,

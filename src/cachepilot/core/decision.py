@@ -96,6 +96,9 @@ class Decision:
     fallback: str | None = None
     # Flow control's part: the request's tenant and band, how long it was held and why.
     flow: FlowInfo | None = None
+    # How long this replica held the request for its turn on a long prompt before routing
+    # it (ms; core.spread); 0: not held.
+    turn_ms: float = 0.0
 
     @property
     def winner(self) -> Candidate:

@@ -62,6 +62,9 @@ class InferenceRequest:
     # completions), when the driver knows it (the simulator): what KubeAI's prefix-hash
     # routing keys on; nothing else reads it.
     prefix_key: int | None = None
+    # How long this replica held the request for its turn before routing it (ms; the
+    # driver sets it: core.spread.ReplicaSpread.hold_s); recorded with the decision.
+    turn_ms: float = 0.0
 
 
 def inference_path(path: str) -> str | None:

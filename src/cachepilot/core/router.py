@@ -149,6 +149,7 @@ class Router:
         """Commit a decision of :meth:`decide`: its worker counts it in flight and holds its
         prefix, the pool counts it, then the policy and the plugins hear of it."""
         decision.request = req
+        decision.turn_ms = req.turn_ms
         worker = pool.workers[decision.chosen]
         worker.inflight += 1
         worker.assigned += 1

@@ -17,7 +17,7 @@ import enum
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from cachepilot.core.decision import Decision
@@ -249,9 +249,11 @@ class Director:
             except asyncio.CancelledError:
                 ex.phase = Phase.FAILED
                 raise
-            # The decision's latency is the gateway's work on it, not the turn it waited.
-            started = ticket.started + time.perf_counter() - slept
-            routed = self._admit(ex, ticket.req, ticket.only, started, ticket.headers)
+            # The decision's latency is the gateway's work on it, not the turn it waited,
+            # which the decision records apart.
+            waited = time.perf_counter() - slept
+            req = replace(ticket.req, turn_ms=waited * 1000.0)
+            routed = self._admit(ex, req, ticket.only, ticket.started + waited, ticket.headers)
             if isinstance(routed, Decision):
                 return routed
             ticket = routed
@@ -371,5 +373,8 @@ class Director:
 
 
 def _routed_at(ex: Exchange, d: Decision) -> float:
-    """When the request was routed: its start, plus the time flow control held it."""
-    return ex.started + (d.flow.held_ms / 1000.0 if d.flow is not None else 0.0)
+    """When the request was routed: its start, plus the time flow control held it and the
+    time its replica held it for its turn (the predictor learns the worker's TTFT from
+    routing, as the simulator's does)."""
+    held_ms = (d.flow.held_ms if d.flow is not None else 0.0) + d.turn_ms
+    return ex.started + held_ms / 1000.0

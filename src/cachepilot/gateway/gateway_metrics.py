@@ -109,6 +109,13 @@ class GatewayMetrics:
             "Requests in a pool hashing as its vLLM engines do whose prompt could not be "
             "reproduced exactly, matched on the approximate directory instead, by reason",
             ["pool", "reason"], registry=r)
+        self.replica_turns = Counter(
+            "cachepilot_replica_turns",
+            "Long uncached prompts this replica held for its turn before routing them (the "
+            "replicas before it placed theirs first: docs/guides/replicas.md)", ["pool"], registry=r)
+        self.replica_turn_seconds = Counter(
+            "cachepilot_replica_turn_seconds",
+            "Time those requests waited for their turn, summed", ["pool"], registry=r)
         # -- outcomes: prediction vs measurement ----------------------------------------------
         self.hit_outcomes = Counter("cachepilot_hit_outcomes",
                                     "Predicted vs measured cache hits (from the worker's usage)",

@@ -37,6 +37,9 @@ class MetricsPlugin(Plugin):
             m.predicted_hits.labels(decision.pool).inc()
         if decision.fallback is not None:
             m.exact_fallbacks.labels(decision.pool, decision.fallback).inc()
+        if decision.turn_ms > 0:
+            m.replica_turns.labels(decision.pool).inc()
+            m.replica_turn_seconds.labels(decision.pool).inc(decision.turn_ms / 1000.0)
 
     def on_rejected(self, error: RequestError, request: InferenceRequest | None,
                     now: float) -> None:

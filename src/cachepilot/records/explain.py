@@ -111,6 +111,15 @@ _DISPATCH_HOW = {
 }
 
 
+def turn_line(record: Mapping[str, Any]) -> str | None:
+    """A replica's turn in one sentence (None: not held for one)."""
+    waited = record.get("turn_ms") or 0.0
+    if waited <= 0:
+        return None
+    return (f"turn: this replica held it {waited:.1f} ms before routing it, for the "
+            "placements of the replicas before it (a long, uncached prompt)")
+
+
 def flow_line(record: Mapping[str, Any]) -> str | None:
     """Flow control's part in one sentence: the tenant and band, how long the request was
     held and why, and how it was dispatched (None: flow control did not see it)."""
@@ -222,6 +231,9 @@ def render(record: Mapping[str, Any], console: Console) -> None:
     line = flow_line(record)
     if line:
         console.print(line)
+    line = turn_line(record)
+    if line:
+        console.print(line)
     if record.get("extra"):  # schema 1: a policy's learned state (the adaptive weight)
         console.print(f"extra: {record['extra']}")
 
@@ -240,4 +252,5 @@ def summary(record: Mapping[str, Any]) -> dict[str, Any]:
         "reported_cached_tokens": out.get("cached_tokens"),
         "reason": plain_reason(record), "router_reason": record.get("reason"),
         "flow": record.get("flow"), "waited": flow_line(record),
+        "turn_ms": record.get("turn_ms") or 0.0,
     }

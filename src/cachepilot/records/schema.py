@@ -119,6 +119,8 @@ def decision_to_record(decision: Decision, *, capture_prompt: str | None = None,
         # Why the request was matched approximately in a pool hashing as its engines do
         # (no chat template, multimodal, …); None: exactly, or the pool is approximate.
         "exact_fallback": decision.fallback,
+        # How long this replica held it for its turn on a long prompt (core.spread), in ms.
+        "turn_ms": decision.turn_ms,
     }
     if decision.flow is not None:  # flow control: tenant, band, time held and why
         rec["flow"] = decision.flow.to_dict()

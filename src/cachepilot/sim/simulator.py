@@ -126,6 +126,7 @@ class RequestResult:
     tenant: str = "default"  # its tenant and band (the request's extra)
     priority: int = 0
     held_s: float = 0.0  # time flow control held it (part of ttft_s)
+    turn_s: float = 0.0  # time its replica held it for its turn (part of ttft_s)
 
 
 @dataclass(slots=True)
@@ -280,24 +281,26 @@ class Simulator:
             self.now = t
             events += 1
             if kind == ARRIVAL:
-                held = isinstance(payload, tuple)  # (request, replica): its turn came
-                if held:
-                    r, router = payload
+                turn = isinstance(payload, tuple)  # (request, replica, wait): its turn came
+                if turn:
+                    r, router, turn_s = payload
                 else:
-                    r = payload
+                    r, turn_s = payload, 0.0
                     router = self._replica_for(r, arrivals)
                     arrivals += 1
                 if interval <= 0:
                     self.scrape(t)
-                out = RequestResult(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens)
+                out = RequestResult(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens,
+                                    turn_s=turn_s)
                 # What the client asked for (a cap: flow control's estimate of the output),
                 # which the engine's real length (max_tokens) may not reach.
                 cap = r.extra.get("client_max_tokens", r.max_tokens)
                 ireq = InferenceRequest(model=MODEL, max_tokens=cap, fingerprint=r.fp,
-                                        user_start=r.user_start, prefix_key=r.prefix_key)
-                wait = 0.0 if held else router.replica_hold_s(ireq, t)
+                                        user_start=r.user_start, prefix_key=r.prefix_key,
+                                        turn_ms=turn_s * 1000.0)
+                wait = 0.0 if turn else router.replica_hold_s(ireq, t)
                 if wait > 0:  # replicas take turns on a long prompt (core.spread)
-                    self._push(t + wait, ARRIVAL, (r, router))
+                    self._push(t + wait, ARRIVAL, (r, router, wait))
                     continue
                 meta = meta_of(r.extra)
                 out.tenant, out.priority = meta.tenant, meta.priority
