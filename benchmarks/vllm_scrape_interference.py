@@ -15,8 +15,13 @@ different things run beside it, in interleaved rounds:
 Each trial is a cold request (a new document) and then a warm one (same document, new
 question), one at a time. Prints the median TTFT per variant and its ratio to ``none``.
 
+With ``--through-router`` the requests go *through* each router instead (``none``: straight
+to the worker, as before), so the table is what each router's path adds to TTFT, the
+routing and the proxy included; ``gateway-no-observe`` is the gateway without its observing
+stream (``--no-observe-responses``).
+
     CACHEPILOT_VLLM_VENV=.venv-vllm python benchmarks/vllm_scrape_interference.py --rounds 4 \
-        --trials 10 [--scrape-intervals 0.25,1,5]
+        --trials 10 [--scrape-intervals 0.25,1,5] [--through-router]
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ class ScrapeStack(VllmStack):
     """The stack with the gateway's ``--scrape-interval`` set."""
 
     scrape_s: float = 0.25
+    observe: bool = True
 
     def gateway_args(self, decisions=None):  # type: ignore[no-untyped-def]
-        return [*super().gateway_args(decisions), "--scrape-interval", str(self.scrape_s)]
+        return [*super().gateway_args(decisions), "--scrape-interval", str(self.scrape_s),
+                *([] if self.observe else ["--no-observe-responses"])]
 
 
 def document(rng: random.Random, words: int) -> str:
@@ -79,6 +86,8 @@ def main() -> int:
     ap.add_argument("--words", type=int, default=900)
     ap.add_argument("--scrape-intervals", default="0.25,1,5",
                     help="the gateway's --scrape-interval values to compare (s, comma-separated)")
+    ap.add_argument("--through-router", action="store_true",
+                    help="send the requests through each router, not straight to the worker")
     args = ap.parse_args()
     why = missing()
     if why:
@@ -92,6 +101,9 @@ def main() -> int:
               file=sys.stderr)
         return 2
     variants = ["none", *intervals, "sglang"]
+    if args.through_router:
+        variants.insert(-1, "gateway-no-observe")
+        intervals["gateway-no-observe"] = 1.0
     cold: dict[str, list[float]] = {v: [] for v in variants}
     warm: dict[str, list[float]] = {v: [] for v in variants}
     rng = random.Random(7)
@@ -104,13 +116,14 @@ def main() -> int:
             rng.shuffle(order)
             for v in order:
                 if v.startswith("gateway"):
-                    stack.scrape_s = intervals[v]
+                    stack.scrape_s, stack.observe = intervals[v], v != "gateway-no-observe"
                     stack.start_router("priced", None)
                 elif v == "sglang":
                     stack.start_router(None, ROUTERS["sglang_cache_aware"])
                 time.sleep(3.0)  # let the router settle into its steady state
                 for _ in range(args.trials):
-                    c, w = asyncio.run(trial(worker0, stack.spec.served_name,
+                    url = stack.url if args.through_router and v != "none" else worker0
+                    c, w = asyncio.run(trial(url, stack.spec.served_name,
                                              document(rng, args.words), rng))
                     if c == c and w == w:  # not NaN
                         cold[v].append(c)

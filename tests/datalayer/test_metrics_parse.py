@@ -1,6 +1,9 @@
-import pytest
+from pathlib import Path
 
-from cachepilot.datalayer.engine_metrics import parse_metrics
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachepilot.datalayer.engine_metrics import _samples, parse_metrics
 
 VLLM = """# HELP vllm:num_requests_waiting Number of requests waiting.
 # TYPE vllm:num_requests_waiting gauge
@@ -50,3 +53,31 @@ def test_llamacpp_and_sglang_mapping() -> None:
     s = parse_metrics("sglang:num_queue_reqs 3\nsglang:num_running_reqs 5\n"
                       "sglang:token_usage 0.7\n", "sglang", 0)
     assert (s.waiting, s.running, s.kv_usage) == (3, 5, 0.7)
+
+
+REAL_VLLM = (Path(__file__).parents[1] / "data" / "vllm_metrics.txt").read_text()
+
+
+def test_a_real_vllm_scrape_reads_as_the_whole_text_parsed() -> None:
+    """vLLM 0.32's /metrics (614 lines, captured from the CPU worker): only the families
+    read reach the parser, and they read exactly as parsing the whole text gives them."""
+    whole: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(REAL_VLLM):
+        for s in family.samples:
+            whole.setdefault(s.name, []).append((s.labels, s.value))
+    read = _samples(REAL_VLLM, "vllm")
+    assert read and all(read[name] == whole[name] for name in read)
+    assert "vllm:time_to_first_token_seconds_bucket" not in read  # histograms never parsed
+    m = parse_metrics(REAL_VLLM, "vllm", 1.0)
+    assert (m.waiting, m.running, m.kv_usage) == (0, 0, 0.0)
+    assert (m.prefix_queries, m.prefix_hits, m.block_size) == (1896.0, 864.0, 32)
+    assert m.num_blocks == 1820 and m.process_start == 1.79653347378e9
+
+
+def test_a_broken_family_the_gateway_does_not_read_costs_nothing() -> None:
+    broken = REAL_VLLM.replace("vllm:time_to_first_token_seconds_bucket{",
+                               "vllm:time_to_first_token_seconds_bucket{{{", 1)
+    assert parse_metrics(broken, "vllm", 0).prefix_hits == 864.0
+    with pytest.raises(ValueError):  # one it reads still fails the scrape
+        parse_metrics(REAL_VLLM.replace("vllm:num_requests_waiting{",
+                                        "vllm:num_requests_waiting{{", 1), "vllm", 0)

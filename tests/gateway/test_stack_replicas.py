@@ -14,6 +14,7 @@ from cachepilot.tooling.procs import http_get
 from cachepilot.tooling.stack import LocalStack, StackConfig, nats_binary
 
 from helpers.delivery import delivered, quiet
+from helpers.metrics_live import parse
 from helpers.polling import until
 
 try:
@@ -129,3 +130,41 @@ def _drill(stack: LocalStack) -> None:
         assert len(set(workers_for(stack, client, "gamma", 8))) == 1, why(stack, "gamma")
         # What was placed during the outage is known to both again.
         assert set(workers_for(stack, client, "beta", 6)) <= set(beta)
+
+
+def test_a_long_new_prompt_takes_its_turn_through_envoy_and_the_bus() -> None:
+    """Two replicas behind Envoy: long prompts nobody has sent reach both (Envoy spreads
+    them). The second replica in order ("gateway-1") holds each it gets for its turn, one
+    bus delay, then routes it; the client gets its answer, the record has the turn and the
+    replica's metrics count it. The first replica never holds one."""
+    log = tempfile.mkdtemp(prefix="cachepilot-turns-")
+    stack = LocalStack(StackConfig(workers=3, speed=8.0, replicas=2,
+                                   decision_log=f"{log}/decisions")).start(timeout_s=90)
+    try:
+        caught_up(stack, 1)
+        ids = []
+        with httpx.Client(timeout=60) as client:
+            for i in range(6):  # ~80 KB each: seconds of predicted prefill, never cached
+                r = client.post(f"{stack.url}/v1/completions", json={
+                    "model": stack.config.model, "max_tokens": 2,
+                    "prompt": f"document {i}: " + "a long text nobody sent before " * 2500})
+                assert r.status_code == 200, r.text
+                ids.append(r.headers["x-cachepilot-decision-id"])
+        turns = {}
+        for admin in admins(stack):
+            fams = parse(http_get(f"{admin}/metrics")[1])
+            turns[admin] = fams["cachepilot_replica_turns"].value("_total")
+        first, second = admins(stack)  # "gateway" comes before "gateway-1"
+        assert turns[first] == 0 and turns[second] >= 1, turns
+        held = []
+        for decision in ids:
+            for admin in admins(stack):
+                status, body = http_get(f"{admin}/decisions/{decision}")
+                if status == 200:
+                    held.append((admin, json.loads(body)["record"]["turn_ms"]))
+                    break
+        assert len(held) == len(ids)
+        assert all((ms > 0) == (admin == second) for admin, ms in held), held
+        assert sum(ms > 0 for _, ms in held) == turns[second]
+    finally:
+        stack.stop()
