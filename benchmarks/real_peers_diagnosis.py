@@ -84,7 +84,9 @@ def diversions(cells: dict[str, list[dict[str, Any]]]) -> None:
                             and (x.get("outcome") or {}).get("completed_at", 0) > r["time"]]
                     free_at = max((x["outcome"]["completed_at"] for x in busy),
                                   default=r["time"])
-                    hc = next(c for c in r["candidates"] if c["worker"] == h)
+                    hc = next((c for c in r["candidates"] if c["worker"] == h), None)
+                    if hc is None:  # a log kept from an earlier run, on other workers
+                        continue
                     own = hc["predicted_ttft_ms"] - hc["queue_ms"]
                     # Both from the arrival: a held request's decision came at its dispatch.
                     held_ms = f.get("held_ms", 0.0)

@@ -112,7 +112,8 @@ class GatewayMetrics:
         self.replica_turns = Counter(
             "cachepilot_replica_turns",
             "Long uncached prompts this replica held for its turn before routing them (the "
-            "replicas before it placed theirs first: docs/guides/replicas.md)", ["pool"], registry=r)
+            "replicas before it placed theirs first: docs/guides/replicas.md)", ["pool"],
+            registry=r)
         self.replica_turn_seconds = Counter(
             "cachepilot_replica_turn_seconds",
             "Time those requests waited for their turn, summed", ["pool"], registry=r)
