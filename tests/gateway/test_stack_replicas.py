@@ -152,7 +152,7 @@ def test_a_long_new_prompt_takes_its_turn_through_envoy_and_the_bus() -> None:
                 ids.append(r.headers["x-cachepilot-decision-id"])
         turns = {}
         for admin in admins(stack):
-            fams = parse(http_get(f"{admin}/metrics")[1])
+            fams = parse(http_get(f"{admin}/metrics")[1].decode())
             turns[admin] = fams["cachepilot_replica_turns"].value("_total")
         first, second = admins(stack)  # "gateway" comes before "gateway-1"
         assert turns[first] == 0 and turns[second] >= 1, turns

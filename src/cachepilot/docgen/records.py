@@ -37,6 +37,9 @@ TOP: dict[str, str] = {
     "exact_fallback": "Why this request was fingerprinted approximately although its pool is "
                       "exact (e.g. images, a template it cannot render, an unknown adapter), or "
                       "null: its block hashes are the engine's own.",
+    "turn_ms": "With replicas: how long this replica held the request for its turn on a "
+               "long, uncached prompt before routing it (0: not held). The outcome's TTFT "
+               "counts from routing; the client waited this much more.",
     "model": "The body's `model`.",
     "policy": "The policy that decided (`priced` by default).",
     "weights": "The pool's weights on the priced terms.",
