@@ -18,12 +18,14 @@ from cachepilot.core.router import Router, static_router
 from cachepilot.core.vllm_prompt import VllmPrompts
 from cachepilot.tooling.stack import PortInUseError, check_port_free
 
-# How often each worker's /metrics is scraped by default, by engine. vLLM's API server
-# renders them in Python on the CPUs its engine runs on; at 4 Hz that slowed a CPU worker's
-# TTFT measurably (benchmarks/vllm_scrape_interference.py, docs/real-model.md). KV events
-# carry its cache state, and the gateway counts what it sent itself, so 1 s (a
+# How often each worker's /metrics is scraped by default, by engine. A vLLM scrape is ~52 KB
+# of histograms, rendered in Python by the engine's API server and read by the gateway; on
+# a CPU worker both come out of the engine's cores, and at 4 Hz two of four runs of
+# benchmarks/vllm_scrape_interference.py saw the worker slowed (docs/results/vllm-scrape).
+# KV events carry its cache state, and the gateway counts what it sent itself, so 1 s (a
 # CachePilotPool's default) loses little.
 SCRAPE_INTERVAL_S = {"vllm": 1.0}
+
 
 def parse_weights(text: str | None) -> Weights:
     """``prefill=1,load=2,kv=0.5`` → Weights; unknown names are an error, not ignored."""
@@ -128,8 +130,8 @@ def routing_options(f):  # type: ignore[no-untyped-def]
                    "checkpoints a sliding-window model reuses from fall.")
 @click.option("--scrape-interval", type=click.FloatRange(min=0.01), default=None,
               help="Seconds between scrapes of each worker's /metrics [default: 1 for vLLM, "
-                   "whose API server renders them on the engine's CPUs (docs/real-model.md), "
-                   "as a CachePilotPool does; 0.25 for the other engines].")
+                   "whose scrapes are large (docs/results/vllm-scrape), as a CachePilotPool "
+                   "does; 0.25 for the other engines].")
 @click.option("--scrape-timeout", type=float, default=1.0, show_default=True,
               help="Seconds a worker's /metrics may take (llama.cpp answers between batches).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)

@@ -59,7 +59,7 @@ def _read_lines(engine: str) -> re.Pattern[str]:
 
 def _samples(text: str, engine: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The samples of the families read, by name. Only their lines reach prometheus-client's
-    parser: a vLLM worker's /metrics is ~600 lines (~54 KB, histograms mostly), which the
+    parser: a vLLM worker's /metrics is ~600 lines (~52 KB, histograms mostly), which the
     parser takes ~11 ms for, on the CPUs the engine runs on (tests/data/vllm_metrics.txt;
     benchmarks/metrics_parse.py); its ~15 lines we read take a few per cent of that."""
     wanted = "\n".join(m.group(0) for m in _read_lines(engine).finditer(text))
