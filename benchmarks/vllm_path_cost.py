@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -24,15 +23,10 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from extproc_throughput import cpu_seconds
 from vllm_scrape_interference import ScrapeStack, document, trial
 
 from cachepilot.tooling.vllm.stack import missing
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -58,7 +52,7 @@ def main() -> int:
         direct = f"http://{stack.worker_addresses[0]}"
         for block in range(2 * args.blocks):
             label, url = ("direct", direct) if block % 2 == 0 else ("through", stack.url)
-            g0, e0 = cpu_s(gateway), cpu_s(envoy)
+            g0, e0 = cpu_seconds([gateway]), cpu_seconds([envoy])
             cold, warm = [], []
             for _ in range(args.trials):
                 c, w = asyncio.run(trial(url, stack.spec.served_name, document(rng, 900), rng))
@@ -66,7 +60,8 @@ def main() -> int:
                 warm.append(w)
             n = 2 * args.trials
             rows.append((label, statistics.median(cold), statistics.median(warm),
-                         1000 * (cpu_s(gateway) - g0) / n, 1000 * (cpu_s(envoy) - e0) / n))
+                         1000 * (cpu_seconds([gateway]) - g0) / n,
+                         1000 * (cpu_seconds([envoy]) - e0) / n))
             print(f"block {block + 1}/{2 * args.blocks} {label}", flush=True)
         text = urllib.request.urlopen(f"{stack.admin_url}/metrics").read().decode()
     finally:

@@ -290,8 +290,6 @@ class Simulator:
                     arrivals += 1
                 if interval <= 0:
                     self.scrape(t)
-                out = RequestResult(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens,
-                                    turn_s=turn_s)
                 # What the client asked for (a cap: flow control's estimate of the output),
                 # which the engine's real length (max_tokens) may not reach.
                 cap = r.extra.get("client_max_tokens", r.max_tokens)
@@ -302,6 +300,8 @@ class Simulator:
                 if wait > 0:  # replicas take turns on a long prompt (core.spread)
                     self._push(t + wait, ARRIVAL, (r, router, wait))
                     continue
+                out = RequestResult(r.id, None, r.arrival, r.prompt_tokens, r.max_tokens,
+                                    turn_s=turn_s)
                 meta = meta_of(r.extra)
                 out.tenant, out.priority = meta.tenant, meta.priority
                 try:
