@@ -15,6 +15,7 @@ from cachepilot.core.flow.control import FlowControl, FlowError
 from cachepilot.core.flow.fair import Counters
 from cachepilot.core.flow.gate import Gate, batch_size, queued
 from cachepilot.core.flow.queue import CANCELLED, DISPATCHED, REFUSED, Ticket
+from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.request import RequestError
 
 from helpers.routers import WORKERS, make_router
@@ -179,6 +180,43 @@ def test_waiting_for_a_busy_prefix_holder_then_going_to_it() -> None:
     fc.pump(100.2)
     assert t.state == DISPATCHED and t.decision is not None
     assert t.decision.chosen == holder and t.decision.flow.dispatch == fi.HOLDER
+
+
+def test_a_wait_for_a_busy_holder_teaches_the_predictor_what_waiting_takes() -> None:
+    """A request held for its busy holder never queues in the engine, so the decision that
+    sends it there (the holder free) cannot show the wait. The predictor learns it from the
+    holder as priced when the hold began (a request queued ahead) and the TTFT plus the time
+    held; the decision's own prediction is still what its accuracy scores."""
+    router, fc = flow()
+    predictor = TTFTPredictor()
+    router.add_plugin(predictor)
+    holder, t = held_for_its_holder(router, fc)
+    at_hold = t.holder_priced
+    assert at_hold is not None and at_hold.worker == holder and at_hold.queued >= 1
+    load(router, 100.2, {})  # the holder frees
+    fc.pump(100.2)
+    d = t.decision
+    assert d is not None and d.chosen == holder and d.winner.queued == 0
+    assert d.holder_priced is at_hold and d.holder_waited_ms == pytest.approx(200.0)
+    fit = predictor.pooled["default"]
+    before = fit.n  # the document's first request taught it once
+    router.first_token(d, 50.0)
+    assert fit.n == before + 1
+    row = (fit.n - 1) % len(fit.ys)
+    assert fit.xs[row][3] == at_hold.queued and fit.xs[row][1] > 0
+    assert fit.ys[row] == pytest.approx(250.0 - at_hold.kv_ms)
+    errors = predictor.accuracy()["workers"][holder]
+    assert errors["n"] == before + 1
+
+
+def test_a_request_sent_at_once_is_learned_from_its_own_decision() -> None:
+    router, fc = flow()
+    predictor = TTFTPredictor()
+    router.add_plugin(predictor)
+    d = fc.admit(req(), FlowMeta("a"), 100.0)
+    assert isinstance(d, Decision) and d.holder_priced is None
+    router.first_token(d, 40.0)
+    assert predictor.pooled["default"].ys[0] == pytest.approx(40.0 - d.winner.kv_ms)
 
 
 def test_a_holder_wait_lasts_while_waiting_can_still_pay() -> None:

@@ -99,6 +99,12 @@ class Decision:
     # How long this replica held the request for its turn on a long prompt before routing
     # it (ms; core.spread); 0: not held.
     turn_ms: float = 0.0
+    # Dispatched to the busy prefix holder flow control held it for: that worker as priced
+    # when the hold began, and the ms from then to this decision (never recorded). The
+    # predictor learns from it what a wait for a busy worker takes (held requests never
+    # queue in the engine, so the decision's own features cannot show it).
+    holder_priced: Candidate | None = field(default=None, repr=False, compare=False)
+    holder_waited_ms: float = 0.0
 
     @property
     def winner(self) -> Candidate:

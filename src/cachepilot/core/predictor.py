@@ -228,7 +228,8 @@ class _Routed:
     worker: WorkerState
     x: tuple[float, ...]
     kv_ms: float
-    predicted_ms: float
+    predicted_ms: float  # the decision's own prediction (what accuracy() scores)
+    waited_ms: float = 0.0  # held for the busy worker since x was priced (added to y)
 
 
 @dataclass(slots=True)
@@ -281,11 +282,18 @@ class TTFTPredictor(Plugin):
         w = pool.workers.get(decision.chosen)
         if w is None:
             return
-        c = decision.winner
+        c, waited = decision.winner, 0.0
+        uncached = decision.uncached_tokens
+        if decision.holder_priced is not None and decision.holder_priced.worker == w.address:
+            # Held for this busy worker, then sent to it once free: an observation of the
+            # wait as priced when it began (the measured TTFT plus the time held since).
+            c, waited = decision.holder_priced, decision.holder_waited_ms
+            uncached = decision.tokens - c.matched_tokens
         # The features exactly as priced (before this request was booked).
-        x = (1.0, float(decision.uncached_tokens + c.ahead_tokens), float(c.running),
+        x = (1.0, float(uncached + c.ahead_tokens), float(c.running),
              float(c.queued), float(c.batch_waits))
-        self._pending[decision.id] = _Routed(pool, w, x, c.kv_ms, c.predicted_ttft_ms)
+        self._pending[decision.id] = _Routed(pool, w, x, c.kv_ms,
+                                             decision.winner.predicted_ttft_ms, waited)
         cost: CostModel = pool.spec.cost
         if decision.chosen not in self.fits:
             self.fits[decision.chosen] = WorkerFit.start(w.ttft or cost.ttft, self.cfg)
@@ -315,13 +323,14 @@ class TTFTPredictor(Plugin):
             errs = self._errors[addr] = _Errors.new(self.cfg.window)
         errs.abs_ms.append(abs(ttft_ms - routed.predicted_ms))
         errs.measured_ms.append(ttft_ms)
-        y, warm = ttft_ms - routed.kv_ms, self.cfg.warmup
+        total_ms = ttft_ms + routed.waited_ms
+        y, warm = total_ms - routed.kv_ms, self.cfg.warmup
         pooled = self.pooled[routed.pool.name]
-        pooled.update(routed.x, y, self.cfg, ttft_ms)
+        pooled.update(routed.x, y, self.cfg, total_ms)
         fit = self.fits[addr]
         if pooled.n >= warm:
             fit.center_on(pooled, self.cfg)
-        r = fit.update(routed.x, y, self.cfg, ttft_ms)
+        r = fit.update(routed.x, y, self.cfg, total_ms)
         if fit.n >= warm:
             routed.worker.ttft = fit.params()
         if pooled.n >= warm:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
-from cachepilot.core.decision import Decision, RoutingError
+from cachepilot.core.decision import Candidate, Decision, RoutingError
 from cachepilot.core.fingerprint import Fingerprint
 from cachepilot.core.flow import info as fi
 from cachepilot.core.flow.classify import FlowMeta
@@ -34,7 +34,8 @@ from cachepilot.core.request import InferenceRequest, RequestError
 
 __all__ = ["FlowControl", "FlowError", "FlowObserver", "FlowPlugin"]
 
-_Hold = tuple[str, str | None, float, float]  # (reason, holder, holder_until, gain_ms)
+# (reason, holder, holder_until, gain_ms, the holder as priced then)
+_Hold = tuple[str, str | None, float, float, Candidate | None]
 
 
 class FlowControl(FlowState):
@@ -65,7 +66,7 @@ class FlowControl(FlowState):
         est = self.estimates.estimate(meta.tenant, req.max_tokens)
         cost = self._cost(cfg, fp.tokens, est)
         if q:
-            hold: _Hold = (fi.QUEUED_BEHIND, None, 0.0, 0.0)
+            hold: _Hold = (fi.QUEUED_BEHIND, None, 0.0, 0.0, None)
         else:
             now_or_hold = self._try_now(pool, q, req, fp, meta, now, only, started, cost, est)
             if isinstance(now_or_hold, Decision):
@@ -73,11 +74,12 @@ class FlowControl(FlowState):
             hold = now_or_hold
         if meta.sheddable and cfg.ttl(meta.priority) <= 0:
             raise self._report_new(q, req, meta, self._error(q, meta, fi.SHEDDABLE, now), now)
-        reason, holder, until, gain = hold
+        reason, holder, until, gain, priced = hold
         self._seq += 1
         t = Ticket(self._seq, meta, req, pool.name, fp, cost, est, now,
                    self.deadline(cfg, now, meta.priority), reason, only=only,
-                   holder=holder, holder_until=until, holder_gain_ms=gain)
+                   holder=holder, holder_until=until, holder_gain_ms=gain,
+                   holder_priced=priced, holder_since=now)
         self._make_room(q, t, now)
         q.add(t, now)
         if holder is not None:
@@ -137,21 +139,21 @@ class FlowControl(FlowState):
                 (m := pool.workers[w].metrics) is not None and m.waiting >= limit
                 for w in closed)
             if not past_limit and (closed or self._any_ready(pool, only)):
-                return (fi.POOL_FULL, None, 0.0, 0.0)
+                return (fi.POOL_FULL, None, 0.0, 0.0, None)
         excluded = dict.fromkeys(closed, CLOSED) if closed else None
         try:
             d = self.router.decide(pool, req.model, fp, now, self.router.next_id(), req,
                                    only=only, excluded=excluded)
         except RoutingError as err:
             if err.status == 429 and opened:  # open by the gate, yet full or stale
-                return (fi.POOL_FULL, None, 0.0, 0.0)
+                return (fi.POOL_FULL, None, 0.0, 0.0, None)
             self.router.reject(err, req, now)
             raise
         if closed:
             wait = _holder_gain(d)
             wait_s = self._holder_wait_s(cfg, meta.priority, wait)
             if wait.holder is not None and wait_s > 0:
-                return (fi.HOLDER_BUSY, wait.holder, now + wait_s, wait.gain_ms)
+                return (fi.HOLDER_BUSY, wait.holder, now + wait_s, wait.gain_ms, wait.priced)
         return self._direct(pool, q, d, req, fp, meta, now, only, excluded, started, cost, est)
 
     def _direct(self, pool: Pool, q: PoolQueue, d: Decision, req: InferenceRequest,
@@ -236,6 +238,7 @@ class FlowControl(FlowState):
             if wait.holder is not None and wait_s > 0:
                 t.holder, t.holder_until = wait.holder, now + wait_s
                 t.holder_gain_ms = wait.gain_ms
+                t.holder_priced, t.holder_since = wait.priced, now
                 t.reason = fi.HOLDER_BUSY
                 q.holding.add(t)
                 return False
@@ -256,6 +259,9 @@ class FlowControl(FlowState):
                         lag_tokens=lag, gain_ms=gain, charged_tokens=t.cost,
                         estimated_output=t.est_output, objective=m.objective, slo_ms=m.slo_ms,
                         slo_met=met, holder=t.holder)
+        if dispatch == fi.HOLDER and t.holder_priced is not None:
+            d.holder_priced = t.holder_priced
+            d.holder_waited_ms = (now - t.holder_since) * 1000.0
         self._book(pool, q, d, t.request, t.fp, info, now, started, t.cost)
         self._finish(q, t, DISPATCHED, now, decision=d)
         return True
@@ -294,6 +300,7 @@ class FlowControl(FlowState):
 
 class _HolderWait(NamedTuple):
     holder: str | None  # the busy worker worth waiting for (None: none is)
+    priced: Candidate | None  # it, as priced now
     gain_ms: float  # how much sooner its first token is predicted, queue included
     break_even_ms: float  # the longest wait that can still pay
 
@@ -313,10 +320,11 @@ def _holder_gain(d: Decision) -> _HolderWait:
         if c.filtered == CLOSED and (best is None or c.value > best.value):
             best = c
     if best is None or best.value <= d.winner.value:
-        return _HolderWait(None, 0.0, 0.0)
+        return _HolderWait(None, None, 0.0, 0.0)
     open_ms = d.winner.predicted_ttft_ms
     gain = open_ms - best.predicted_ttft_ms
-    return _HolderWait(best.worker, gain, open_ms - (best.predicted_ttft_ms - best.queue_ms))
+    return _HolderWait(best.worker, best, gain,
+                       open_ms - (best.predicted_ttft_ms - best.queue_ms))
 
 
 def _all(q: PoolQueue) -> list[Ticket]:

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
-from cachepilot.core.decision import Decision
+from cachepilot.core.decision import Candidate, Decision
 from cachepilot.core.fingerprint import Fingerprint
 from cachepilot.core.flow.classify import FlowMeta
 from cachepilot.core.flow.config import FlowConfig
@@ -43,6 +43,8 @@ class Ticket:
     holder: str | None = None  # a busy prefix holder it waits for…
     holder_until: float = 0.0  # …until then
     holder_gain_ms: float = 0.0
+    holder_priced: Candidate | None = None  # the holder as priced when the hold began…
+    holder_since: float = 0.0  # …then
     state: str = QUEUED
     decision: Decision | None = None
     error: RequestError | None = None
