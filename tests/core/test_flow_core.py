@@ -7,16 +7,17 @@ import math
 import pytest
 
 from cachepilot.core import InferenceRequest, Router, WorkerMetrics
-from cachepilot.core.decision import Decision
+from cachepilot.core.decision import Candidate, Decision
 from cachepilot.core.flow import info as fi
 from cachepilot.core.flow.classify import FlowMeta, classify, header_names
 from cachepilot.core.flow.config import FlowConfig, parse_flow
-from cachepilot.core.flow.control import FlowControl, FlowError
+from cachepilot.core.flow.control import FlowControl, FlowError, _holder_gain
 from cachepilot.core.flow.fair import Counters
-from cachepilot.core.flow.gate import Gate, batch_size, queued
+from cachepilot.core.flow.gate import CLOSED, Gate, batch_size, queued
 from cachepilot.core.flow.queue import CANCELLED, DISPATCHED, REFUSED, Ticket
 from cachepilot.core.predictor import TTFTPredictor
 from cachepilot.core.request import RequestError
+from cachepilot.core.workers import WorkerSnapshot
 
 from helpers.routers import WORKERS, make_router
 
@@ -235,6 +236,31 @@ def test_a_holder_wait_lasts_while_waiting_can_still_pay() -> None:
     fc.pump(later + 0.001)
     assert t.decision is not None and t.decision.chosen == holder
     assert t.decision.flow.dispatch == fi.HOLDER
+
+
+def test_a_holder_is_waited_for_when_a_miss_costs_later_arrivals_more_than_the_wait() -> None:
+    """Measured on real one-slot llama.cpp workers (dev seeds): the holder's first token
+    predicted 214 ms later than a cold prefill on the idle worker, but that prefill (3.5 s)
+    delays the next arrivals there by 1.4 s more than a hit would: the router's value
+    picked the holder, and flow control must wait for it on the same price, not send the
+    request to the miss because its first token alone comes sooner."""
+    holder = Candidate("h", WorkerSnapshot("h"), filtered=CLOSED, matched_tokens=640,
+                       queue_ms=3414.0, predicted_ttft_ms=3743.0, congestion_ms=166.0,
+                       value=-3909.0)
+    idle = Candidate("i", WorkerSnapshot("i"), predicted_ttft_ms=3529.0, congestion_ms=1433.0,
+                     value=-4962.0)
+    d = Decision(id="x", time=0.0, pool="p", model="m", policy="priced", weights={}, seq=0,
+                 tokens=678, block_size=16, hashes=(), candidates=[idle, holder], chosen="i",
+                 margin_ms=0.0, reason="")
+    wait = _holder_gain(d)
+    assert wait.holder == "h" and wait.priced is holder
+    assert wait.gain_ms == pytest.approx(4962.0 - 3909.0)
+    # The break-even: the miss's price less the holder's own once free (its queue out).
+    assert wait.break_even_ms == pytest.approx(4962.0 - (3909.0 - 3414.0))
+    assert FlowControl._holder_wait_s(FlowConfig(), 0, wait) == pytest.approx(4.467)
+    # Where the router's value prefers the open worker, nothing is waited for.
+    holder.value = -5000.0
+    assert _holder_gain(d).holder is None
 
 
 def test_a_holder_wait_is_bounded() -> None:

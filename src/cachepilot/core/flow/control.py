@@ -301,30 +301,38 @@ class FlowControl(FlowState):
 class _HolderWait(NamedTuple):
     holder: str | None  # the busy worker worth waiting for (None: none is)
     priced: Candidate | None  # it, as priced now
-    gain_ms: float  # how much sooner its first token is predicted, queue included
+    gain_ms: float  # how much less it costs there (first token and later arrivals), queue included
     break_even_ms: float  # the longest wait that can still pay
+
+
+def _price_ms(c: Candidate) -> float:
+    """What placing the request on ``c`` costs, in ms: its predicted TTFT and the delay its
+    prefill adds to later arrivals there (congestion, evictions), as the priced policy
+    counts them at unit weights."""
+    return c.predicted_ttft_ms + c.congestion_ms + c.eviction_ms
 
 
 def _holder_gain(d: Decision) -> _HolderWait:
     """The closed worker the router would have picked (the best value, above the open
-    winner's: typically the busy holder of the request's prefix); how many ms sooner the
-    predictor says its first token would come there, queue included, than on the open
-    winner; and the break-even wait: the open winner's predicted TTFT less the holder's own
-    time for the request once free (its prediction without the queue). A wait longer than
-    that loses even if the holder frees at once; waiting up to it costs at most twice the
-    better choice made in hindsight (the ski-rental bound) whatever the holder's queue turns
-    out to be, the least certain term (a busy one-slot engine's remaining decode). The gain
-    alone, the bound before, sent requests away just before their holder freed."""
+    winner's: typically the busy holder of the request's prefix); how many ms the placement
+    there saves over the open winner, queue included (:func:`_price_ms`: the first token,
+    and the prefill a miss makes later arrivals wait behind); and the break-even wait: the
+    open winner's price less the holder's own for the request once free (without the
+    queue). A wait longer than that loses even if the holder frees at once; waiting up to it
+    costs at most twice the better choice made in hindsight (the ski-rental bound) whatever
+    the holder's queue turns out to be, the least certain term (a busy one-slot engine's
+    remaining decode). The gain alone, the bound before, sent requests away just before
+    their holder freed; the first token alone, the price before, sent a request to a cold
+    prefill on an idle worker the router's own value said cost more than the wait."""
     best = None
     for c in d.candidates:
         if c.filtered == CLOSED and (best is None or c.value > best.value):
             best = c
     if best is None or best.value <= d.winner.value:
         return _HolderWait(None, None, 0.0, 0.0)
-    open_ms = d.winner.predicted_ttft_ms
-    gain = open_ms - best.predicted_ttft_ms
-    return _HolderWait(best.worker, best, gain,
-                       open_ms - (best.predicted_ttft_ms - best.queue_ms))
+    open_ms, holder_ms = _price_ms(d.winner), _price_ms(best)
+    return _HolderWait(best.worker, best, open_ms - holder_ms,
+                       open_ms - (holder_ms - best.queue_ms))
 
 
 def _all(q: PoolQueue) -> list[Ticket]:
