@@ -81,8 +81,9 @@ _FLOW_HELP = {
                   "order).",
     "lookahead": "Requests fairness allows that locality chooses among.",
     "localityGainMs": "Prefill ms a locality pick must save over the fair pick.",
-    "holderGainMs": "Wait for the busy worker holding a request's prefix when that is "
-                    "predicted to give its first token this much sooner.",
+    "holderGainMs": "Wait for the busy worker holding a request's prefix when placing it "
+                    "there is predicted to cost this many ms less (its first token and "
+                    "the delay its prefill adds to later arrivals).",
     "holderWaitMs": "The longest such wait, behind its break-even (0: never wait for a "
                     "prefix holder).",
     "halfLifeSeconds": "Half-life of the tenants' service counters (0: no decay).",

@@ -47,11 +47,11 @@ class FlowConfig:
     bend_tokens: float = 2048.0
     lookahead: int = 8  # requests fairness allows that locality chooses among
     locality_gain_ms: float = 10.0  # prefill ms a locality pick must save over the fair one
-    # A request waits for the busy worker holding its prefix when the predictor says its
-    # first token would come at least this much sooner there, queue included, than on an
-    # open worker; for as long as waiting can still pay (the open worker's predicted TTFT
-    # less the holder's own time for it), and never longer than holder_wait_ms (0: never),
-    # a backstop against a wrong prediction of those two.
+    # A request waits for the busy worker holding its prefix when placing it there costs at
+    # least this much less, queue included, than on an open worker (the router's price in
+    # ms: the first token, and the delay its prefill adds to later arrivals); for as long
+    # as waiting can still pay (the open worker's price less the holder's own for it), and
+    # never longer than holder_wait_ms (0: never), a backstop against a wrong prediction.
     holder_gain_ms: float = 50.0
     holder_wait_ms: float = 5000.0
     # Output tokens a request is charged at dispatch when it sets no max_tokens and its tenant
