@@ -8,10 +8,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import orjson
+
 from cachepilot.core.directory import PrefixDirectory
+from cachepilot.core.request import CHAT_PATH, COMPLETIONS_PATH, parse_openai_body
 from cachepilot.core.slot_memory import SlotConfig, SlotMemory
 from cachepilot.sim.engine import EngineConfig, EngineRequest
 from cachepilot.sim.slot_engine import SlotEngine
+
+from helpers.routers import make_router
+
+
+def parse_request(path: str, body: dict) -> object:
+    return parse_openai_body(path, orjson.dumps(body))
 
 
 def doc(k: int, n: int = 30) -> list[int]:
@@ -110,6 +119,59 @@ def test_a_long_match_in_the_slot_is_reused_whole_but_not_once_restored() -> Non
     assert m.reuse([*long[:20], 1]) == 0  # inside the window: no checkpoint below 20
     m.place(B)  # long goes to the prompt cache
     assert m.reuse([*long[:36], 1, 2]) == 22  # restored: from the checkpoint only
+
+
+def test_a_chat_prompt_is_reused_up_to_its_last_message_in_the_slot_or_restored() -> None:
+    """Measured on llama-server (chat, a document in the system message, the question in
+    the user's): the document was reused whole the next time, in the slot or restored from
+    the prompt cache, where a completion of the same text reused only up to a batch
+    checkpoint. A match that ends inside the last message still gets a batch checkpoint."""
+    cfg = SlotConfig(slots=1, slot_blocks=64, entries=10, min_reuse=32, batch=16,
+                     checkpoint_offsets=(16, 0))
+    shared = doc(6, 27)  # the system message: 27 blocks, then the question
+    first = [*shared, 1, 2, 3]  # fed as [0, 14), [14, 30): a batch checkpoint at 14
+    again = [*shared, 7, 8, 9]  # the same document, another question
+    for turn, expected in ((0, 14), (27, 27)):
+        m = SlotMemory(cfg)
+        m.place(first, turn=turn)
+        assert m.reuse(again) == expected  # in the slot
+        m.place(B)
+        assert m.reuse(again) == expected  # restored from the prompt cache
+    m = SlotMemory(cfg)
+    m.place(first, turn=20)  # a shorter shared part (the match ends past it)...
+    assert m.reuse([*first[:24], 5]) == 20  # ...reuses up to the last message only
+    assert m.reuse([*first[:18], 5]) == 14  # a match inside it: the batch checkpoint
+
+
+def test_the_directory_checkpoints_a_chat_request_where_its_last_message_starts() -> None:
+    """The router tells the directory where a chat request's last message starts (byte
+    blocks before it), so a slot worker's next request for the same history counts as a
+    whole hit; a completion of the same text gets only the batch checkpoint."""
+    router = make_router(workers=("10.0.0.1:8000",))
+    pool = router.pools["default"]
+    pool.directory.set_slots("10.0.0.1:8000", slots=1, slot_blocks=512, entries=10,
+                             min_reuse=32, batch=16)
+    system = "a shared document for the assistant to read. " * 40  # ~1.8 KB, > 16 blocks
+    chat = parse_request(CHAT_PATH, {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "question one?"}]})
+    assert chat.prompt[chat.last_message_at:].startswith("<|user|>")
+    d = router.route(chat, 100.0)
+    router.release(d)
+    again = parse_request(CHAT_PATH, {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "another one?"}]})
+    block_bytes = pool.spec.block.block_bytes
+    turn = len(again.prompt[:again.last_message_at].encode()) // block_bytes
+    assert router.decide(pool, "m", router.prepare(again)[1], 101.0, "x").winner.matched_blocks \
+        == turn
+    text = parse_request(COMPLETIONS_PATH, {"model": "m", "prompt": chat.prompt})
+    assert text.last_message_at == 0
+    other = make_router(workers=("10.0.0.1:8000",))
+    other.pools["default"].directory.set_slots("10.0.0.1:8000", slots=1, slot_blocks=512,
+                                               entries=10, min_reuse=32, batch=16)
+    other.release(other.route(text, 100.0))
+    fp = other.prepare(again)[1]
+    assert other.decide(other.pools["default"], "m", fp, 101.0, "y").winner.matched_blocks \
+        < turn
 
 
 def test_evicting_is_priced_only_when_the_cache_really_drops_a_prompt() -> None:

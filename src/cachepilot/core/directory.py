@@ -127,17 +127,25 @@ class PrefixDirectory:
     def workers(self) -> list[str]:
         return list(self._workers)
 
+    def is_slot(self, worker: str) -> bool:
+        """Whether ``worker`` is modelled as a slot engine (:meth:`set_slots`)."""
+        wb = self._workers.get(worker)
+        return wb is not None and wb.memory is not None
+
     def __contains__(self, worker: str) -> bool:
         return worker in self._workers
 
     # -- data ---------------------------------------------------------------------------------
-    def insert(self, worker: str, hashes: Sequence[int], *, learned_only: bool = False) -> None:
+    def insert(self, worker: str, hashes: Sequence[int], *, learned_only: bool = False,
+               turn: int = 0) -> None:
         """Record that ``worker`` now holds these blocks (a prompt's chain, root first).
 
         Blocks are touched leaf-first so the root ends most recently used: a shared prefix
         outlives the unique tails hanging off it, as in vLLM's free-block queue.
         ``learned_only``: the hashes are not the engine's (a request whose prompt could not
         be reproduced exactly): never pending, since no event will ever name them.
+        ``turn``: the full blocks before a chat request's last message (slot engines
+        checkpoint there: :meth:`~cachepilot.core.slot_memory.SlotMemory.place`).
         """
         wb = self._workers.get(worker)
         if wb is None:
@@ -145,7 +153,7 @@ class PrefixDirectory:
         if wb.mode != APPROXIMATE and not learned_only:
             self._events.add_pending(wb, hashes)
         if wb.memory is not None:
-            self._slots.insert(wb, hashes)
+            self._slots.insert(wb, hashes, turn)
             return
         lru, masks, bit = wb.lru, self._masks, wb.bit
         last = wb.last_chain

@@ -86,12 +86,13 @@ class SlotPlacements:
         self.total = n
         self.popularity.half_life = max(16.0, 4.0 * n)
 
-    def insert(self, wb: WorkerBlocks, hashes: Sequence[int]) -> None:
-        """The prompt is launched as llama-server would (:class:`SlotMemory`). Which slots
-        are busy is unknown here, so all count as idle, and it ends most recently used."""
+    def insert(self, wb: WorkerBlocks, hashes: Sequence[int], turn: int = 0) -> None:
+        """The prompt is launched as llama-server would (:class:`SlotMemory`; ``turn``: the
+        block where a chat request's last message starts, 0 if none). Which slots are busy
+        is unknown here, so all count as idle, and it ends most recently used."""
         assert wb.memory is not None
         self.popularity.note(hashes[:wb.memory.cfg.slot_blocks])
-        placed = wb.memory.place(hashes)
+        placed = wb.memory.place(hashes, turn=turn)
         wb.memory.release(placed.slot)
         for chain in placed.added:  # first, so blocks both share are never dropped
             self.hold(wb, chain)

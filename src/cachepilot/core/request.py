@@ -65,6 +65,9 @@ class InferenceRequest:
     # How long this replica held the request for its turn before routing it (ms; the
     # driver sets it: core.spread.ReplicaSpread.hold_s); recorded with the decision.
     turn_ms: float = 0.0
+    # Chat: where the last message starts in ``prompt`` (characters; 0: not chat). A
+    # llama.cpp worker checkpoints a sliding-window model's cache there (slot_memory).
+    last_message_at: int = 0
 
 
 def inference_path(path: str) -> str | None:
@@ -76,6 +79,11 @@ def inference_path(path: str) -> str | None:
 def flatten_messages(messages: list[Any]) -> str:
     """Chat messages → one string, deterministically and with roles, so shared history is a
     shared prefix. Mirrors what a chat template does without needing the model's template."""
+    return "".join(_message_parts(messages))
+
+
+def _message_parts(messages: list[Any]) -> list[str]:
+    """Each message as :func:`flatten_messages` writes it."""
     parts: list[str] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -84,7 +92,7 @@ def flatten_messages(messages: list[Any]) -> str:
         if not isinstance(role, str):
             raise RequestError(400, f"messages[{i}].role must be a string")
         parts.append(f"<|{role}|>\n{_content_text(msg.get('content'), i)}\n")
-    return "".join(parts)
+    return parts
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -144,8 +152,11 @@ def parse_openai_body(path: str, body: bytes) -> InferenceRequest:
         messages = data.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list")
-        return InferenceRequest(model=model, prompt=flatten_messages(messages), stream=stream,
-                                max_tokens=max_tokens, kind="chat", body=data)
+        parts = _message_parts(messages)
+        prompt = "".join(parts)
+        return InferenceRequest(model=model, prompt=prompt, stream=stream,
+                                max_tokens=max_tokens, kind="chat", body=data,
+                                last_message_at=len(prompt) - len(parts[-1]))
     if "prompt" not in data:
         raise RequestError(400, "'prompt' is required")
     text, ids = _prompt_of(data["prompt"])

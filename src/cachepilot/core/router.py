@@ -102,6 +102,17 @@ class Router:
                                       chains=self.fingerprinter.chains)
         return self.fingerprinter(req.model, block, text=req.prompt, token_ids=req.token_ids)
 
+    def _turn_blocks(self, req: InferenceRequest, pool: Pool, worker: str) -> int:
+        """A chat request to a slot engine: the full blocks before its last message, where
+        llama-server checkpoints (:meth:`~cachepilot.core.slot_memory.SlotMemory.place`).
+        Byte blocks only (0 where blocks are tokens: the offset would need the tokenizer)."""
+        if (not req.last_message_at or req.token_ids is not None
+                or self.fingerprinter.tokenizer is not None
+                or pool.spec.block.vllm_seed is not None
+                or not pool.directory.is_slot(worker)):
+            return 0
+        return len(req.prompt[:req.last_message_at].encode()) // pool.spec.block.block_bytes
+
     def next_id(self) -> str:
         self._counter += 1
         return f"{self._id_prefix}-{self._counter:x}"
@@ -158,7 +169,8 @@ class Router:
         worker.pending_requests += 1
         worker.pending_prefill_tokens += decision.uncached_tokens
         self._prefilling.setdefault((pool.name, decision.chosen), {})[id(decision)] = decision
-        pool.directory.insert(decision.chosen, fp.hashes, learned_only=fp.fallback is not None)
+        pool.directory.insert(decision.chosen, fp.hashes, learned_only=fp.fallback is not None,
+                              turn=self._turn_blocks(req, pool, decision.chosen))
         pool.note_arrival(now, decision.uncached_tokens)
         pool.seq += 1
         if self.spread is not None:

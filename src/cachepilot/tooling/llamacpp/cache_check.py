@@ -12,6 +12,12 @@ it before it is sent:
   of the text, as its fingerprints are), in slot mode with the cache the gateway is told:
   the prediction that routing uses.
 
+With ``--api chat`` the same sequence goes to ``/v1/chat/completions`` as the real-peers
+study sends it (the document in the system message, the question in the user's), and the
+gateway's prediction is made as the router makes it: the request parsed from its body,
+the directory told where its last message starts. The token-level model is for
+completions only (it would need the engine's rendered template).
+
 ``python -m cachepilot.tooling.llamacpp.cache_check`` prints the figures as JSON.
 """
 
@@ -30,6 +36,7 @@ import orjson
 
 from cachepilot.core.directory import PrefixDirectory
 from cachepilot.core.fingerprint import BlockConfig, fingerprint
+from cachepilot.core.request import CHAT_PATH, parse_openai_body
 from cachepilot.core.slot_memory import SlotConfig, SlotMemory
 from cachepilot.sim.prompt_text import words
 from cachepilot.tooling.llamacpp.calibration import calibrate
@@ -50,6 +57,7 @@ class CheckConfig:
     swa_tokens: int = 512  # Gemma 3's sliding window: a shorter match is not reused
     ubatch: int = 256  # the worker's -ub: where its context checkpoints fall
     block_size: int = 16
+    api: str = "completions"  # or "chat"
 
 
 @dataclass
@@ -57,8 +65,8 @@ class Sample:
     index: int
     doc: int
     prompt_tokens: int
-    engine: int  # timings.cache_n
-    tokens: int  # the token-level model's prediction
+    engine: int  # timings.cache_n (chat: usage.prompt_tokens_details.cached_tokens)
+    tokens: int  # the token-level model's prediction (chat: -1, not made)
     gateway: int  # the directory's, in tokens (blocks x block size, capped)
 
 
@@ -68,15 +76,16 @@ def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, A
         return orjson.loads(resp.read())
 
 
-def prompts(cfg: CheckConfig) -> list[tuple[int, str]]:
-    """(document, prompt) in a random order: every document once early, then at random."""
+def prompts(cfg: CheckConfig) -> list[tuple[int, str, str]]:
+    """(document, its text, the question) in a random order: every document once early,
+    then at random."""
     rng = random.Random(cfg.seed)
     texts = [f"Document {d}. " + words(rng, rng.randint(*cfg.doc_words))
              for d in range(cfg.docs)]
     order = list(range(cfg.docs)) + [rng.randrange(cfg.docs)
                                      for _ in range(max(0, cfg.requests - cfg.docs))]
     rng.shuffle(order)
-    return [(d, f"{texts[d]}\nQuestion {i}: {words(rng, cfg.question_words)}")
+    return [(d, texts[d], f"Question {i}: {words(rng, cfg.question_words)}")
             for i, d in enumerate(order)]
 
 
@@ -98,7 +107,12 @@ def run_check(cfg: CheckConfig, address: str, chars_per_token: float) -> list[Sa
                         min_reuse=cfg.swa_tokens // cfg.block_size,
                         batch=cfg.ubatch // cfg.block_size)
     out = []
-    for i, (doc, text) in enumerate(prompts(cfg)):
+    for i, (doc, doc_text, question) in enumerate(prompts(cfg)):
+        if cfg.api == "chat":
+            out.append(_chat_sample(cfg, address, directory, block, i, doc, doc_text,
+                                    question))
+            continue
+        text = f"{doc_text}\n{question}"
         ids = _post(f"http://{address}/tokenize", {"content": text, "add_special": True}
                     )["tokens"]
         fp = fingerprint("m", block, text=text)
@@ -113,6 +127,25 @@ def run_check(cfg: CheckConfig, address: str, chars_per_token: float) -> list[Sa
         out.append(Sample(i, doc, n, int(res["timings"]["cache_n"]),
                           min(predicted, n - 1), min(blocks * cfg.block_size, n - 1)))
     return out
+
+
+def _chat_sample(cfg: CheckConfig, address: str, directory: PrefixDirectory,
+                 block: BlockConfig, i: int, doc: int, doc_text: str,
+                 question: str) -> Sample:
+    """One chat request: the gateway's prediction as the router makes it (the body parsed,
+    the directory told where the last message starts), then the engine's count."""
+    body = {"model": "m", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": doc_text},
+                         {"role": "user", "content": question}]}
+    req = parse_openai_body(CHAT_PATH, orjson.dumps(body))
+    fp = fingerprint("m", block, text=req.prompt)
+    blocks = directory.match(fp.hashes, ["w"])["w"]
+    usage = _post(f"http://{address}{CHAT_PATH}", body)["usage"]
+    turn = len(req.prompt[:req.last_message_at].encode()) // block.block_bytes
+    directory.insert("w", fp.hashes, turn=turn)
+    n = int(usage["prompt_tokens"])
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return Sample(i, doc, n, cached, -1, min(blocks * cfg.block_size, n - 1))
 
 
 HIT = 16  # tokens: a reuse shorter than a block (the "<bos>Document" head) is no hit
@@ -130,10 +163,12 @@ def score(samples: list[Sample]) -> dict[str, Any]:
                 "tokens_mean_abs_error": sum(err) / len(err),
                 "tokens_within_16": sum(e <= 16 for e in err) / len(err),
                 "predicted_cached": sum(pred)}
-    return {"requests": len(samples), "engine_cached": sum(s.engine for s in samples),
-            "prompt_tokens": sum(s.prompt_tokens for s in samples),
-            "engine_hits": sum(s.engine >= HIT for s in samples),
-            "tokens": one("tokens"), "gateway": one("gateway")}
+    out = {"requests": len(samples), "engine_cached": sum(s.engine for s in samples),
+           "prompt_tokens": sum(s.prompt_tokens for s in samples),
+           "engine_hits": sum(s.engine >= HIT for s in samples), "gateway": one("gateway")}
+    if all(s.tokens >= 0 for s in samples):  # the token-level model ran (completions)
+        out["tokens"] = one("tokens")
+    return out
 
 
 def check(cfg: CheckConfig, log_dir: str | None = None) -> dict[str, Any]:
@@ -163,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=CheckConfig.seed)
     ap.add_argument("--requests", type=int, default=CheckConfig.requests)
     ap.add_argument("--cache-ram", type=int, default=CheckConfig.cache_ram_mib)
+    ap.add_argument("--api", choices=("completions", "chat"), default=CheckConfig.api)
     ap.add_argument("--samples", action="store_true", help="print every request too")
     args = ap.parse_args(argv)
     out = check(CheckConfig(seed=args.seed, requests=args.requests,
-                            cache_ram_mib=args.cache_ram))
+                            cache_ram_mib=args.cache_ram, api=args.api))
     if not args.samples:
         out.pop("samples")
     print(json.dumps(out, indent=1))
