@@ -61,6 +61,7 @@ real-peers-vllm-chat: $(VENV)/.installed-peers vllm-model
 cache-check: $(VENV)/.installed-llamacpp
 	$(BIN)/python -m cachepilot.tooling.llamacpp.cache_check --seed 100 --requests 40 --samples > docs/results/cache-check.json
 	$(BIN)/python -m cachepilot.tooling.llamacpp.cache_check --seed 101 --requests 40 --cache-ram 120 --samples > docs/results/cache-check-120mib.json
+	$(BIN)/python -m cachepilot.tooling.llamacpp.cache_check --api chat --seed 100 --requests 24 --samples > docs/results/cache-check-chat.json
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/decision_latency.py

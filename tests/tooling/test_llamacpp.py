@@ -203,3 +203,26 @@ def test_the_slot_and_prompt_cache_model_matches_the_engine(cache_ram: int) -> N
     # The gateway's estimate (16-token blocks of the text's estimated tokens) calls hits
     # and misses as the engine does.
     assert gateway["hit_agreement"] >= 0.9, out["samples"]
+
+
+@pytest.mark.slow
+def test_the_model_matches_the_engine_on_chat_requests() -> None:
+    """The same check through /v1/chat/completions as the real-peers study sends it (the
+    document in the system message, the question in the user's): llama-server reuses the
+    whole document then, in the slot or restored, not only up to a batch checkpoint, and
+    the gateway's directory, told where the last message starts, predicts it."""
+    why = llamacpp.installed()
+    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
+        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
+    if why:
+        pytest.skip(f"llama.cpp not installed: {why}")
+    from cachepilot.tooling.llamacpp.cache_check import CheckConfig, check
+
+    out = check(CheckConfig(seed=9, requests=16, api="chat"))
+    assert out["engine_hits"] > 0, out["samples"]
+    gateway = out["gateway"]
+    assert gateway["hit_agreement"] >= 0.9, out["samples"]
+    # Whole documents: within a couple of blocks of the engine's count, on most requests.
+    hits = [s for s in out["samples"] if s["engine"] >= 16]
+    close = [s for s in hits if abs(s["gateway"] - s["engine"]) <= 48]
+    assert len(close) >= 0.8 * len(hits), out["samples"]

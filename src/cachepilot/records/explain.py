@@ -98,8 +98,9 @@ def plain_reason(record: Mapping[str, Any]) -> str:
 
 _HOLD_WHY = {
     "pool_full": "every worker was busy (at the gate's depth) when it arrived",
-    "prefix_holder_busy": "the busy worker holding its prefix was predicted to answer sooner "
-                          "than recomputing it elsewhere",
+    "prefix_holder_busy": "the busy worker holding its prefix was priced lower (its first "
+                          "token, and the delay to later arrivals) than recomputing the "
+                          "prefix elsewhere",
     "queued_behind": "others were already held in its pool",
 }
 _DISPATCH_HOW = {
