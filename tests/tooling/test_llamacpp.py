@@ -222,7 +222,10 @@ def test_the_model_matches_the_engine_on_chat_requests() -> None:
     assert out["engine_hits"] > 0, out["samples"]
     gateway = out["gateway"]
     assert gateway["hit_agreement"] >= 0.9, out["samples"]
-    # Whole documents: within a couple of blocks of the engine's count, on most requests.
+    # Whole documents: at least 85 % of the engine's count (the blocks are of estimated
+    # tokens, floored: 90-95 % measured) and never more; the batch checkpoint the
+    # directory predicted before gives 50-70 % once a document was restored.
     hits = [s for s in out["samples"] if s["engine"] >= 16]
-    close = [s for s in hits if abs(s["gateway"] - s["engine"]) <= 48]
-    assert len(close) >= 0.8 * len(hits), out["samples"]
+    assert all(s["gateway"] <= s["engine"] for s in hits), out["samples"]
+    whole = [s for s in hits if s["gateway"] >= 0.85 * s["engine"]]
+    assert len(whole) >= 0.8 * len(hits), out["samples"]

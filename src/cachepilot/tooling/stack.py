@@ -185,6 +185,15 @@ class LocalStack(LoopbackAddresses):
             self.processes.spawn(f"worker-{i}", [
                 *cp, "sim-worker", "--port", str(port), "--model", c.model, "--speed",
                 str(c.speed), "--name", f"worker-{i}", *host, *events, *c.worker_args])
+        if c.start_gateway and c.scrape_interval >= timeout_s and c.workers:
+            # A gateway that scrapes this rarely must find its workers up on its first
+            # scrape (a loaded machine starts them later than the gateway otherwise).
+            try:
+                self.processes.wait_ready([f"http://{a}/health" for a in self.worker_addresses],
+                                          timeout_s)
+            except BaseException:
+                self.stop()
+                raise
         self.gateway_port = self.gateway_port or free_port_run(
             c.processes + (c.processes > 1))  # the shared port, then each process's own
         self.admin_port = self.admin_port or free_port_run(c.processes)
