@@ -241,7 +241,7 @@ def test_a_holder_wait_lasts_while_waiting_can_still_pay() -> None:
 def test_a_holder_is_waited_for_when_a_miss_costs_later_arrivals_more_than_the_wait() -> None:
     """Measured on real one-slot llama.cpp workers (dev seeds): the holder's first token
     predicted 214 ms later than a cold prefill on the idle worker, but that prefill (3.5 s)
-    delays the next arrivals there by 1.4 s more than a hit would: the router's value
+    is priced at 1.4 s more delay to the next arrivals there than a hit: the router's value
     picked the holder, and flow control must wait for it on the same price, not send the
     request to the miss because its first token alone comes sooner."""
     holder = Candidate("h", WorkerSnapshot("h"), filtered=CLOSED, matched_tokens=640,
