@@ -19,10 +19,10 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from envoy_timing import decision_latency
 from extproc_throughput import cpu_seconds
 from vllm_scrape_interference import ScrapeStack, document, trial
 
@@ -63,22 +63,18 @@ def main() -> int:
                          1000 * (cpu_seconds([gateway]) - g0) / n,
                          1000 * (cpu_seconds([envoy]) - e0) / n))
             print(f"block {block + 1}/{2 * args.blocks} {label}", flush=True)
-        text = urllib.request.urlopen(f"{stack.admin_url}/metrics").read().decode()
+        latency_s, count = decision_latency(stack.admin_port)
     finally:
         stack.stop()
-    sums = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("cachepilot_decision_latency_seconds_")
-            and ("_sum{" in line or "_count{" in line)}
     print(f"\nscrape every {args.scrape_interval:g} s; {args.trials} cold+warm pairs a block\n")
     print("| block | requests | cold p50 ms | warm p50 ms | gateway CPU ms/request | "
           "Envoy CPU ms/request |\n|---|---|---:|---:|---:|---:|")
     path = {"direct": "straight to the worker", "through": "through Envoy and the gateway"}
     for label, c, w, g, e in rows:
         print(f"| {label} | {path[label]} | {c:.0f} | {w:.0f} | {g:.1f} | {e:.1f} |")
-    count = sums.get("cachepilot_decision_latency_seconds_count", 0.0)
     if count:
-        mean = 1000 * sums["cachepilot_decision_latency_seconds_sum"] / count
-        print(f"\ndecision latency: {mean:.2f} ms mean over {count:.0f} decisions")
+        print(f"\ndecision latency: {1000 * latency_s / count:.2f} ms mean over "
+              f"{count:.0f} decisions")
     return 0
 
 
