@@ -69,6 +69,13 @@ class InferenceRequest:
     # llama.cpp worker checkpoints a sliding-window model's cache there (slot_memory).
     last_message_at: int = 0
 
+    def blocks_before_last_message(self, block_bytes: int) -> int:
+        """Chat: the full ``block_bytes`` blocks of ``prompt`` before its last message (0 if
+        not chat), where llama-server checkpoints (core.slot_memory)."""
+        if not self.last_message_at:
+            return 0
+        return len(self.prompt[:self.last_message_at].encode()) // block_bytes
+
 
 def inference_path(path: str) -> str | None:
     """The inference endpoint a request path names, ignoring the query string, or None."""

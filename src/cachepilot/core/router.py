@@ -111,7 +111,7 @@ class Router:
                 or pool.spec.block.vllm_seed is not None
                 or not pool.directory.is_slot(worker)):
             return 0
-        return len(req.prompt[:req.last_message_at].encode()) // pool.spec.block.block_bytes
+        return req.blocks_before_last_message(pool.spec.block.block_bytes)
 
     def next_id(self) -> str:
         self._counter += 1

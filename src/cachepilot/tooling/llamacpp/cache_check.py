@@ -141,8 +141,7 @@ def _chat_sample(cfg: CheckConfig, address: str, directory: PrefixDirectory,
     fp = fingerprint("m", block, text=req.prompt)
     blocks = directory.match(fp.hashes, ["w"])["w"]
     usage = _post(f"http://{address}{CHAT_PATH}", body)["usage"]
-    turn = len(req.prompt[:req.last_message_at].encode()) // block.block_bytes
-    directory.insert("w", fp.hashes, turn=turn)
+    directory.insert("w", fp.hashes, turn=req.blocks_before_last_message(block.block_bytes))
     n = int(usage["prompt_tokens"])
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return Sample(i, doc, n, cached, -1, min(blocks * cfg.block_size, n - 1))
