@@ -11,6 +11,7 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,12 +189,8 @@ class LocalStack(LoopbackAddresses):
         if c.start_gateway and c.scrape_interval >= timeout_s and c.workers:
             # A gateway that scrapes this rarely must find its workers up on its first
             # scrape (a loaded machine starts them later than the gateway otherwise).
-            try:
-                self.processes.wait_ready([f"http://{a}/health" for a in self.worker_addresses],
-                                          timeout_s)
-            except BaseException:
-                self.stop()
-                raise
+            self._ready_or_stop(lambda: self.processes.wait_ready(
+                [f"http://{a}/health" for a in self.worker_addresses], timeout_s))
         self.gateway_port = self.gateway_port or free_port_run(
             c.processes + (c.processes > 1))  # the shared port, then each process's own
         self.admin_port = self.admin_port or free_port_run(c.processes)
@@ -249,12 +246,16 @@ class LocalStack(LoopbackAddresses):
         cfg_path.write_text(render(opts))
         self.processes.spawn("envoy", [envoy_binary(), "-c", str(cfg_path), "--concurrency", "1",
                                         "--disable-hot-restart", "-l", "warning"])
+        self._ready_or_stop(lambda: self.wait_ready(timeout_s))
+        return self
+
+    def _ready_or_stop(self, wait: Callable[[], None]) -> None:
+        """``wait()``; if it fails, stop every process started so far, then re-raise."""
         try:
-            self.wait_ready(timeout_s)
+            wait()
         except BaseException:
             self.stop()
             raise
-        return self
 
     def wait_ready(self, timeout_s: float) -> None:
         checks = [f"http://{a}/health" for a in self.worker_addresses]
