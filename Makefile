@@ -47,7 +47,7 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 # (seeds 11-15 and 31-32 were used while developing; 201-205 were read before the
 # 2026-12-06 changes). llama.cpp chat: ~31 min on 2 cores; completions about the same;
 # vLLM: add ~2 min to start its workers (the committed vLLM runs: REAL_PEERS_SEEDS=301-303
-# completions, 201-203 chat).
+# completions, 304-306 chat).
 REAL_PEERS_SEEDS ?= 206-210
 real-peers: $(VENV)/.installed-peers
 	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api chat --out docs/results/real-peers --logs runs/real-peers-logs

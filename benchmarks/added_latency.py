@@ -67,6 +67,8 @@ from cachepilot.gateway.protocol import (
     BODY_ONLY,
     BUFFERED_BODY,
     DESTINATION_HEADER,
+    OBSERVE_ROLE,
+    ROLE_METADATA,
     lb_metadata,
 )
 from cachepilot.tooling.procs import wait_http_ok
@@ -128,7 +130,17 @@ class NoopProcessor(ep_grpc.ExternalProcessorServicer):
         return ([ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=self.set))]
                 + [ep.ProcessingResponse(request_body=ep.BodyResponse())] * (chunks + 1), 0)
 
+    @staticmethod
+    def observing(context) -> bool:  # type: ignore[no-untyped-def]
+        """An observing stream (x-cachepilot-role: observe): Envoy waits for no answer."""
+        return any(k == ROLE_METADATA and v == OBSERVE_ROLE
+                   for k, v in context.invocation_metadata() or ())
+
     async def Process(self, requests, context):  # type: ignore[no-untyped-def]
+        if self.observing(context):  # read to the end, as the gateway does; answer nothing
+            async for _ in requests:
+                pass
+            return
         mode, chunks = self.body_mode(context), 0
         async for msg in requests:
             out, chunks = self.replies(mode, msg, chunks)

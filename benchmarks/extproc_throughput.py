@@ -99,12 +99,21 @@ USAGE = (b'{"id":"x","object":"text_completion","choices":[{"text":"t"}],"usage"
          b'{"prompt_tokens":8192,"completion_tokens":1,"prompt_tokens_details":'
          b'{"cached_tokens":4096}}}')
 
+TOKEN_EVENT = (b'data: {"id":"x","object":"text_completion","choices":[{"index":0,'
+               b'"text":" token","finish_reason":null}]}\n\n')
+
 
 class Driver:
-    def __init__(self, ports: list[int], observe: bool) -> None:
+    def __init__(self, ports: list[int], observe: bool, response_chunks: int = 1) -> None:
         self.channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
         self.stubs = [ep_grpc.ExternalProcessorStub(c) for c in self.channels]
         self.observe = observe
+        # The response body as this many messages (a streamed answer: one SSE event of a
+        # token each, as Envoy's STREAMED observing filter passes them on), usage last.
+        self.response = [ep.ProcessingRequest(response_body=ep.HttpBody(body=TOKEN_EVENT))
+                         for _ in range(response_chunks - 1)]
+        self.response.append(ep.ProcessingRequest(response_body=ep.HttpBody(
+            body=USAGE, end_of_stream=True)))
         self.i = 0
         self.pending: set[asyncio.Task[None]] = set()
 
@@ -143,8 +152,8 @@ class Driver:
         chosen = lb.fields[CHOSEN_KEY].string_value
         await call.write(ep.ProcessingRequest(response_headers=hm({
             ":status": "200", WORKER_HEADER: chosen})))
-        await call.write(ep.ProcessingRequest(response_body=ep.HttpBody(
-            body=USAGE, end_of_stream=True)))
+        for msg in self.response:
+            await call.write(msg)
         await call.done_writing()
         with contextlib.suppress(grpc.aio.AioRpcError):
             await call.read()  # the end: the gateway answers nothing

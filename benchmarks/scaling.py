@@ -3,13 +3,17 @@
 The gateway's ext_proc service is driven by the Envoy-shaped gRPC driver of
 ``extproc_throughput.py`` (a routing stream with the whole body, then an observing stream),
 without Envoy, against fake idle vLLM workers (one process answers every worker's
-``/metrics``). Four sweeps, each printed as a table and plotted:
+``/metrics``). Five sweeps, each printed as a table (the first four plotted too):
 
 * **prompt size** (1 KB … 1 MB): the routing answer's latency (closed loop, one request in
   flight; p50) and the gateway's CPU per request (``/proc``, all its threads), for the
   gateway in approximate mode (its default), a no-op Python ext_proc server handling the
-  same body (the design's floor), and, with ``--tokenizer``, exact mode (``--vllm-hash-seed
-  0``); prompts share a long prefix (a document, then a tail of their own);
+  same body (the design's floor), the no-op server taking each request's observing stream
+  too (the floor of the default configuration, which observes every response), and, with
+  ``--tokenizer``, exact mode (``--vllm-hash-seed 0``); prompts share a long prefix (a
+  document, then a tail of their own);
+* **streamed responses**: CPU per request against the response body messages each
+  observing stream carries (``--response-chunks``), gateway and no-op floor;
 * **workers** (2 … 256) at ``--workers-kb``;
 * **directory size**: memory per million blocks, and match / insert time against a
   directory of that size (in process);
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from extproc_throughput import Driver, cpu_seconds, wait_port
 
 HERE = Path(__file__).parent
+# The prompt sweep's servers: the no-op floor on the routing stream alone and with the
+# observing stream too, the gateway (approximate mode), without its observing stream, exact.
+KINDS = ["noop", "noop+observe", "approximate", "routing-only", "exact"]
+OBSERVED = {"noop+observe", "approximate", "exact"}
 MODEL = "m"
 
 
@@ -100,7 +109,7 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
                  processes: int = 1) -> tuple[subprocess.Popen[bytes], list[int]]:
     """A gateway (``approximate`` or ``exact``) or the ``noop`` server; its ext_proc ports
     (a gateway of N processes: each one's own)."""
-    if kind == "noop":
+    if kind.startswith("noop"):
         port = free_port()
         p = procs.spawn(f"noop-{port}", [sys.executable, str(HERE / "added_latency.py"),
                                         "--serve-noop", str(port), workers[0], "aio"])
@@ -125,9 +134,11 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
 
 
 async def closed_loop(ports: list[int], pids: list[int], bodies: list[bytes], n: int,
-                      observe: bool, inflight: int = 1) -> dict[str, Any]:
-    """``n`` requests, ``inflight`` at a time: routing-answer latency, rate, CPU/request."""
-    drv = Driver(ports, observe=observe)
+                      observe: bool, inflight: int = 1, response_chunks: int = 1
+                      ) -> dict[str, Any]:
+    """``n`` requests, ``inflight`` at a time: routing-answer latency, rate, CPU/request;
+    observed responses of ``response_chunks`` body messages."""
+    drv = Driver(ports, observe=observe, response_chunks=response_chunks)
     for b in bodies[:min(20, len(bodies))]:
         await drv.one(b)
     while drv.pending:
@@ -157,28 +168,45 @@ async def closed_loop(ports: list[int], pids: list[int], bodies: list[bytes], n:
             "cpu_ms_per_request": cpu * 1000 / max(1, len(lat))}
 
 
-def sweep_prompts(procs: Procs, workers: list[str], args: argparse.Namespace) -> list[dict]:
-    kinds = (["noop", "approximate"] + (["routing-only"] if args.routing_only else [])
-             + (["exact"] if args.tokenizer else []))
-    rows = []
+def interleaved(procs: Procs, workers: list[str], args: argparse.Namespace,
+                kinds: list[str], cells: list[Any],
+                measure: Callable[[Any, str, tuple[subprocess.Popen[bytes], list[int]]],
+                                  dict[str, Any] | None]) -> list[dict]:
+    """One server of each kind, measured cell by cell, ``args.repeats`` rounds of every kind
+    in turn per cell (machine noise lands on every kind alike); ``measure`` returns a row,
+    or None for a cell a kind skips."""
     servers = {k: start_server(procs, k, workers, args) for k in kinds}
+    rows = []
     try:
-        for kb in args.sizes:
-            bodies = prompts(kb, 64)
-            n = args.requests if kb <= 256 else max(40, args.requests // 4)
-            for _ in range(args.repeats):  # interleaved: each kind in turn
+        for cell in cells:
+            for _ in range(args.repeats):
                 for kind in kinds:
-                    p, ports = servers[kind]
-                    if kind == "exact" and kb > args.exact_max_kb:
-                        continue
-                    r = asyncio.run(closed_loop(ports, family(p), bodies, n,
-                                                observe=kind not in ("noop", "routing-only")))
-                    rows.append({"kb": kb, "kind": kind, **r})
-                    print(f"  prompt {kb:>6g} KB {kind:>11}: p50 {r['p50_ms']:7.2f} ms, "
-                          f"{r['cpu_ms_per_request']:6.2f} CPU ms/req", flush=True)
+                    row = measure(cell, kind, servers[kind])
+                    if row is not None:
+                        rows.append(row)
     finally:
         procs.stop([p for p, _ in servers.values()])
     return rows
+
+
+def sweep_prompts(procs: Procs, workers: list[str], args: argparse.Namespace) -> list[dict]:
+    kinds = (["noop", "noop+observe", "approximate"]
+             + (["routing-only"] if args.routing_only else [])
+             + (["exact"] if args.tokenizer else []))
+    bodies = {kb: prompts(kb, 64) for kb in args.sizes}
+
+    def measure(kb: float, kind: str, server: tuple[subprocess.Popen[bytes], list[int]]
+                ) -> dict[str, Any] | None:
+        if kind == "exact" and kb > args.exact_max_kb:
+            return None
+        n = args.requests if kb <= 256 else max(40, args.requests // 4)
+        r = asyncio.run(closed_loop(server[1], family(server[0]), bodies[kb], n,
+                                    observe=kind in OBSERVED))
+        print(f"  prompt {kb:>6g} KB {kind:>12}: p50 {r['p50_ms']:7.2f} ms, "
+              f"{r['cpu_ms_per_request']:6.2f} CPU ms/req", flush=True)
+        return {"kb": kb, "kind": kind, **r}
+
+    return interleaved(procs, workers, args, kinds, args.sizes, measure)
 
 
 def sweep_workers(procs: Procs, all_workers: list[str], args: argparse.Namespace
@@ -195,6 +223,25 @@ def sweep_workers(procs: Procs, all_workers: list[str], args: argparse.Namespace
         print(f"  {nw:>4} workers: p50 {r['p50_ms']:7.2f} ms, "
               f"{r['cpu_ms_per_request']:6.2f} CPU ms/req", flush=True)
     return rows
+
+
+def sweep_responses(procs: Procs, workers: list[str], args: argparse.Namespace
+                    ) -> list[dict]:
+    """CPU per request against the number of response body messages the observing stream
+    carries (a streamed answer's events), for the gateway and the no-op floor taking the
+    same observing streams."""
+    bodies = prompts(args.responses_kb, 64)
+
+    def measure(chunks: int, kind: str, server: tuple[subprocess.Popen[bytes], list[int]]
+                ) -> dict[str, Any]:
+        r = asyncio.run(closed_loop(server[1], family(server[0]), bodies, args.requests,
+                                    observe=True, response_chunks=chunks))
+        print(f"  {chunks:>4} response messages {kind:>12}: "
+              f"{r['cpu_ms_per_request']:6.2f} CPU ms/req", flush=True)
+        return {"chunks": chunks, "kind": kind, **r}
+
+    return interleaved(procs, workers, args, ["noop+observe", "approximate"],
+                       args.response_chunks, measure)
 
 
 def sweep_processes(procs: Procs, workers: list[str], args: argparse.Namespace) -> list[dict]:
@@ -268,7 +315,10 @@ def main() -> None:
     ap.add_argument("--routing-only", action="store_true",
                     help="also approximate mode without the observing stream (what it costs)")
     ap.add_argument("--exact-max-kb", type=float, default=220)
-    ap.add_argument("--sweeps", default="prompts,workers,directory,processes")
+    ap.add_argument("--response-chunks", default="1,16,128",
+                    help="responses sweep: body messages per observed response")
+    ap.add_argument("--responses-kb", type=float, default=8)
+    ap.add_argument("--sweeps", default="prompts,responses,workers,directory,processes")
     ap.add_argument("--quick", action="store_true", help="few requests, small sweeps")
     ap.add_argument("--out", default=None, help="report.md, results.json and PNGs here")
     args = ap.parse_args()
@@ -278,6 +328,7 @@ def main() -> None:
     args.sizes = [float(x) for x in args.sizes.split(",")]
     args.worker_counts = [int(x) for x in args.worker_counts.split(",")]
     args.process_counts = [int(x) for x in args.process_counts.split(",")]
+    args.response_chunks = [int(x) for x in args.response_chunks.split(",")]
     args.directory_millions = [float(x) for x in args.directory_millions.split(",")]
     sweeps = args.sweeps.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="cachepilot-scaling-"))
@@ -292,6 +343,9 @@ def main() -> None:
         if "prompts" in sweeps:
             print("prompt size:")
             results["prompts"] = sweep_prompts(procs, workers[:2], args)
+        if "responses" in sweeps:
+            print("observed response messages:")
+            results["responses"] = sweep_responses(procs, workers[:2], args)
         if "workers" in sweeps:
             print("workers:")
             results["workers"] = sweep_workers(procs, workers, args)
@@ -323,18 +377,43 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
     if "prompts" in results:
         rows = results["prompts"]
         kinds = sorted({r["kind"] for r in rows},
-                       key=["noop", "approximate", "routing-only", "exact"].index)
+                       key=KINDS.index)
         lat = _median_by(rows, ("kb", "kind"), "p50_ms")
         cpu = _median_by(rows, ("kb", "kind"), "cpu_ms_per_request")
+        floors = [("approximate", "noop"), ("approximate", "noop+observe"),
+                  ("routing-only", "noop")]
+        floors = [(a, b) for a, b in floors if a in kinds and b in kinds]
         lines += ["## Prompt size", "", "Routing answer p50 (ms) / gateway CPU per request "
-                  "(ms); the ratio is approximate mode's CPU over the no-op server's.", "",
-                  "| KB | " + " | ".join(kinds) + " | approximate ÷ no-op CPU |",
-                  "|---:|" + "---:|" * (len(kinds) + 1)]
+                  "(ms). `noop`: the no-op server on the routing stream alone; `noop+observe`: "
+                  "it also takes each request's observing stream (and answers nothing), as "
+                  "the gateway's default configuration sends it; `routing-only`: the gateway "
+                  "without the observing stream. The ratios are CPU over CPU.", "",
+                  "| KB | " + " | ".join(kinds) + " | "
+                  + " | ".join(f"{a} ÷ {b}" for a, b in floors) + " |",
+                  "|---:|" + "---:|" * (len(kinds) + len(floors))]
         for kb in args.sizes:
             cells = [f"{lat[(kb, k)]:.2f} / {cpu[(kb, k)]:.2f}" if (kb, k) in lat else ""
                      for k in kinds]
-            ratio = cpu[(kb, "approximate")] / cpu[(kb, "noop")]
-            lines.append(f"| {kb:g} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+            cells += [f"{cpu[(kb, a)] / cpu[(kb, b)]:.2f}" for a, b in floors]
+            lines.append(f"| {kb:g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "responses" in results:
+        rows = results["responses"]
+        cpu = _median_by(rows, ("chunks", "kind"), "cpu_ms_per_request")
+        chunks = sorted({r["chunks"] for r in rows})
+        lines += ["## Streamed responses", "", f"{args.responses_kb:g} KB prompts; each "
+                  "observed response's body in this many messages (a streamed answer's "
+                  "events, the last with its usage), as Envoy's observing filter passes them "
+                  "on. Gateway CPU per request (ms); the slope is the CPU each further "
+                  "message costs (least squares over the counts).", "",
+                  "| messages | noop+observe | approximate | approximate − noop+observe |",
+                  "|---:|---:|---:|---:|"]
+        for c in chunks:
+            a, b = cpu[(c, "approximate")], cpu[(c, "noop+observe")]
+            lines.append(f"| {c} | {b:.2f} | {a:.2f} | {a - b:+.2f} |")
+        for kind in ("noop+observe", "approximate"):
+            slope = np.polyfit(chunks, [cpu[(c, kind)] for c in chunks], 1)[0]
+            lines.append(f"\n{kind}: {slope * 1000:.0f} µs of CPU per further message.")
         lines.append("")
     if "workers" in results:
         lines += ["## Workers", "", f"{args.workers_kb:g} KB prompts.", "",
