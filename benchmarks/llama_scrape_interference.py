@@ -1,0 +1,108 @@
+"""Does scraping a llama-server slow its prefill?
+
+llama-server answers ``/metrics`` and ``/slots`` from the loop that runs inference, between
+batches, and the gateway asks for both every scrape (0.25 s by default for llama.cpp). This
+starts one worker as the real-worker studies run it (``LlamaWorkerSpec``: one thread, one
+slot, the host prompt cache) and times cold prompts (new text each, ``--words`` words, one
+token out) sent straight to it, in pairs: one with nothing else talking to the worker, one
+while a poller fetches ``/metrics`` and ``/slots`` every ``--interval`` seconds, the pair's
+order alternating. Prints each side's median, and the per-pair ratios' median and geometric
+mean with its 95 % interval (from the log ratios).
+
+    make .venv/.installed-llamacpp      # pip install -e '.[dev,llamacpp]': llama.cpp, httpx
+    python benchmarks/llama_scrape_interference.py --pairs 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from cachepilot.tooling.llamacpp.worker import LlamaCppMissing, LlamaWorkerSpec, model_path
+from cachepilot.tooling.procs import wait_http_ok
+from cachepilot.tooling.stack import free_port
+
+WORDS = ["the", "a", "cache", "prefix", "model", "token", "router", "gateway", "engine",
+         "block", "hash", "of", "and", "to"]
+
+
+def poll(base: str, interval_s: float, stop: threading.Event) -> None:
+    """The gateway's scrape of one llama.cpp worker, without the gateway."""
+    with httpx.Client(timeout=5.0) as client:
+        while not stop.is_set():
+            for path in ("/metrics", "/slots"):
+                with contextlib.suppress(httpx.HTTPError):  # a scrape that fails is one too
+                    client.get(base + path)
+            stop.wait(interval_s)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--words", type=int, default=700, help="prompt length (fits the slot)")
+    ap.add_argument("--interval", type=float, default=0.25, help="the scrape interval (s)")
+    args = ap.parse_args()
+    try:
+        argv = LlamaWorkerSpec().args(model_path(), port := free_port())
+    except LlamaCppMissing as err:
+        print(err, file=sys.stderr)
+        return 2
+    worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    rng = random.Random(7)
+    times: dict[str, list[float]] = {"quiet": [], "scraped": []}
+    try:
+        wait_http_ok([base + "/health"], timeout_s=120)
+        with httpx.Client(timeout=120.0) as client:
+
+            def cold() -> float:
+                prompt = " ".join(rng.choice(WORDS) for _ in range(args.words))
+                t0 = time.perf_counter()
+                r = client.post(base + "/v1/completions",
+                                json={"prompt": prompt, "max_tokens": 1})
+                r.raise_for_status()
+                return (time.perf_counter() - t0) * 1000
+
+            cold()  # warm-up
+            for i in range(args.pairs):
+                for side in ("quiet", "scraped") if i % 2 == 0 else ("scraped", "quiet"):
+                    stop = threading.Event()
+                    poller = None
+                    if side == "scraped":
+                        poller = threading.Thread(target=poll,
+                                                  args=(base, args.interval, stop))
+                        poller.start()
+                        time.sleep(args.interval)
+                    times[side].append(cold())
+                    stop.set()
+                    if poller is not None:
+                        poller.join()
+                print(f"pair {i + 1}/{args.pairs}: quiet {times['quiet'][-1]:.0f} ms, "
+                      f"scraped {times['scraped'][-1]:.0f} ms", flush=True)
+    finally:
+        worker.terminate()
+        worker.wait(10)
+    ratios = [s / q for q, s in zip(times["quiet"], times["scraped"], strict=True)]
+    print(f"\n{args.words}-word cold prompts, /metrics and /slots every {args.interval:g} s")
+    for side, xs in times.items():
+        print(f"{side:>8}: median {statistics.median(xs):.0f} ms over {len(xs)}")
+    logs = [math.log(r) for r in ratios]
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    mean = statistics.fmean(logs)
+    print(f"scraped ÷ quiet, per pair: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}); geometric mean "
+          f"{math.exp(mean):.3f} [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
