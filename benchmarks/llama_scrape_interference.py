@@ -7,7 +7,7 @@ slot, the host prompt cache) and times cold prompts (new text each, ``--words`` 
 token out) sent straight to it, in pairs: one with nothing else talking to the worker, one
 while a poller fetches ``/metrics`` and ``/slots`` every ``--interval`` seconds, the pair's
 order alternating. Prints each side's median, and the per-pair ratios' median and geometric
-mean with its 95 % interval (from the log ratios).
+mean with its 95 % interval (``cachepilot.lab.stats.paired_ratio``: t on the log ratios).
 
     make .venv/.installed-llamacpp      # pip install -e '.[dev,llamacpp]': llama.cpp, httpx
     python benchmarks/llama_scrape_interference.py --pairs 12
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import random
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import time
 
 import httpx
 
+from cachepilot.lab.stats import paired_ratio
 from cachepilot.tooling.llamacpp.worker import LlamaCppMissing, LlamaWorkerSpec, model_path
 from cachepilot.tooling.procs import wait_http_ok
 from cachepilot.tooling.stack import free_port
@@ -95,12 +95,10 @@ def main() -> int:
     print(f"\n{args.words}-word cold prompts, /metrics and /slots every {args.interval:g} s")
     for side, xs in times.items():
         print(f"{side:>8}: median {statistics.median(xs):.0f} ms over {len(xs)}")
-    logs = [math.log(r) for r in ratios]
-    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    mean = statistics.fmean(logs)
+    paired = paired_ratio(times["scraped"], times["quiet"])
     print(f"scraped ÷ quiet, per pair: median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f}); geometric mean "
-          f"{math.exp(mean):.3f} [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]")
+          f"{1 + paired['rel']:.3f} [{1 + paired['rel_lo']:.3f}, {1 + paired['rel_hi']:.3f}]")
     return 0
 
 
