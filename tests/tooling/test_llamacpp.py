@@ -156,14 +156,26 @@ def test_repeated_prefix_is_predicted_and_measured_as_a_hit() -> None:
                 "messages": [{"role": "system", "content": doc},
                              {"role": "user", "content": q}]}
 
-    async def two(url: str) -> list:
+    async def send(session: aiohttp.ClientSession, url: str, q: str) -> Result:
+        res = await one_request(session, url, body(q))
+        if res.status == 503 and "worker_unreachable" in (res.error or ""):
+            # What the gateway's 503 asks of a client: retry. Seen once in CI (a reset on the
+            # worker's keep-alive connection right after the previous answer; not reproduced
+            # in 25 runs here). A worker that is really gone fails the retry too.
+            print(f"resent once after: {res.error}")
+            res = await one_request(session, url, body(q))
+        return res
+
+    async def two(url: str) -> list[Result]:
         async with aiohttp.ClientSession() as session:
-            return [await one_request(session, url, body(q))
+            return [await send(session, url, q)
                     for q in ("first question", "second, different question")]
 
     with LlamaStack(workers=1) as stack:
         first, second = asyncio.run(two(stack.url))
-        assert first.ok and second.ok, (first.error, second.error)
+        log = Path(stack.log_dir or ".") / "llama-0.log"
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        assert first.ok and second.ok, (first.error, second.error, tail)
         assert first.worker == second.worker == stack.worker_addresses[0]
         rec1 = stack.decision(first.decision_id, with_outcome=True)
         rec2 = stack.decision(second.decision_id, with_outcome=True)
