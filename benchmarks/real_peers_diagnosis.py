@@ -12,10 +12,14 @@ folder per phase) and print
   the requests it was busy with completed, plus the holder's own predicted time for this
   one; both from the request's arrival, time held included);
 * **how flow control dispatched** (held or not, and why);
+* **how long a held request waited after its worker freed**: from the last answer that ended
+  on the worker it went to, before its dispatch, to the dispatch (what holding costs beyond
+  the engine's own queue, where a peer's request waits instead);
 * with ``--samples`` (the study's ``samples.json``), **the same request through each router
   when both got the same cache outcome** (both cold: under a fifth of the prompt cached; both
   warm: over four fifths): CachePilot's TTFT minus the peer's, paired by (workload, seed,
-  request). Placement cannot explain a difference there: it is the path and the engine.
+  request), for all such requests and for those CachePilot did not hold. Placement cannot
+  explain a difference there: it is the path and the engine (and, when held, the hold).
 
     python benchmarks/real_peers_diagnosis.py runs/real-peers-logs \
         --samples docs/results/real-peers/samples.json
@@ -112,23 +116,57 @@ def dispatches(cells: dict[str, list[dict[str, Any]]]) -> None:
         print(f"| {why} | {how} | {n} |")
 
 
-def same_outcome(samples: list[dict[str, Any]]) -> None:
+def release_gaps(cells: dict[str, list[dict[str, Any]]]) -> None:
+    gaps = []
+    for recs in cells.values():
+        ended: dict[str, list[float]] = collections.defaultdict(list)
+        for r in recs:
+            done = (r.get("outcome") or {}).get("completed_at")
+            if done:
+                ended[r["chosen"]].append(done)
+        for r in recs:
+            f = r.get("flow") or {}
+            if f.get("held_ms", 0.0) <= 0.0:
+                continue
+            before = [t for t in ended[r["chosen"]] if t <= r["time"]]
+            if before:
+                gaps.append((r["time"] - max(before)) * 1000.0)
+    if not gaps:
+        print("\nno held request went to a worker after one of its answers ended")
+        return
+    q = statistics.quantiles(gaps, n=10) if len(gaps) > 1 else gaps * 9
+    print(f"\nheld, then dispatched after an answer on their worker ended: {len(gaps)}; "
+          f"from that end to the dispatch, median {statistics.median(gaps):.0f} ms, "
+          f"p90 {q[-1]:.0f} ms")
+
+
+def same_outcome(samples: list[dict[str, Any]],
+                 cells_by_phase: dict[str, list[dict[str, Any]]] | None = None) -> None:
+    held = set()
+    for name, recs in (cells_by_phase or {}).items():
+        workload, seed = name.split("-")[:2]
+        held |= {(workload, int(seed), r["seq"]) for r in recs
+                 if (r.get("flow") or {}).get("held_ms", 0.0) > 0.0}
     cells: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     for x in samples:
         if x["ok"] and x["prompt_tokens"]:
             cells[(x["workload"], x["seed"], x["request"])][x["router"]] = x
     peers = sorted({r for c in cells.values() for r in c} - {"cachepilot"})
-    print("\n| CachePilot − | both | pairs | TTFT difference ms, median | mean |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| CachePilot − | both | pairs | TTFT difference ms, median | mean | "
+          "not held: pairs | median |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for peer in peers:
         for kind, test in (("cold", lambda f: f < 0.2), ("warm", lambda f: f > 0.8)):
-            d = [(c["cachepilot"]["ttft_s"] - c[peer]["ttft_s"]) * 1000.0
-                 for c in cells.values() if "cachepilot" in c and peer in c
+            d = [((c["cachepilot"]["ttft_s"] - c[peer]["ttft_s"]) * 1000.0, key not in held)
+                 for key, c in cells.items() if "cachepilot" in c and peer in c
                  and all(test(c[r]["cached_tokens"] / c[r]["prompt_tokens"])
                          for r in ("cachepilot", peer))]
             if d:
-                print(f"| {peer} | {kind} | {len(d)} | {statistics.median(d):+.1f} | "
-                      f"{statistics.mean(d):+.1f} |")
+                free = [x for x, not_held in d if not_held]
+                all_ = [x for x, _ in d]
+                print(f"| {peer} | {kind} | {len(d)} | {statistics.median(all_):+.1f} | "
+                      f"{statistics.mean(all_):+.1f} | {len(free)} | "
+                      + (f"{statistics.median(free):+.1f} |" if free else "– |"))
 
 
 def main() -> None:
@@ -145,8 +183,9 @@ def main() -> None:
     bias(cells)
     diversions(cells)
     dispatches(cells)
+    release_gaps(cells)
     if args.samples:
-        same_outcome(json.loads(args.samples.read_text()))
+        same_outcome(json.loads(args.samples.read_text()), cells)
 
 
 if __name__ == "__main__":

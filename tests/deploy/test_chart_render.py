@@ -502,6 +502,31 @@ def test_processes_per_pod_get_envoy_config_for_them(chart: helm.Chart, tmp_path
         "template"]["spec"]
 
 
+def test_one_request_per_worker_connection_gets_envoy_config_for_it(
+        chart: helm.Chart, tmp_path: Path) -> None:
+    """envoy.workerRequestsPerConnection (1 for llama.cpp workers): the init container writes
+    Envoy's config with that limit on the clusters to workers."""
+    from click.testing import CliRunner
+
+    from cachepilot.cli.gateway import envoy_config_cmd
+    from cachepilot.deploy.envoy import render as render_envoy
+
+    objs = render(chart, {"envoy": {"workerRequestsPerConnection": 1}})
+    pod = objs["Deployment/cp-cachepilot"]["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    assert "--worker-requests-per-connection=1" in init["args"]
+    assert "--processes=2" not in containers(objs)["gateway"]["args"]
+    out = tmp_path / "envoy.yaml"
+    args = [a if not a.startswith("--output=") else f"--output={out}" for a in init["args"][1:]]
+    result = CliRunner().invoke(envoy_config_cmd, args)
+    assert result.exit_code == 0, result.output
+    written = out.read_text()
+    assert written == render_envoy(generate.chart_envoy_options(worker_requests_per_connection=1))
+    assert "max_requests_per_connection: 1" in written
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema({"envoy": {"workerRequestsPerConnection": -1}})
+
+
 def test_flow_control_values_reach_the_gateway_and_the_role(chart: helm.Chart) -> None:
     from cachepilot.core.flow.config import FlowConfig, parse_flow
 

