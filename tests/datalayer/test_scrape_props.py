@@ -16,7 +16,7 @@ from cachepilot.datalayer.scrape import Scraper, StaticTargets, error_text
 from helpers.polling import eventually
 
 METRICS = """# TYPE llamacpp:requests_processing gauge
-llamacpp:requests_processing 1
+llamacpp:requests_processing {processing}
 # TYPE llamacpp:requests_deferred gauge
 llamacpp:requests_deferred 0
 # TYPE llamacpp:prompt_tokens_total counter
@@ -29,6 +29,8 @@ llamacpp:prompt_tokens_cached_total 0
 class FakeLlama:
     def __init__(self) -> None:
         self.props_calls = 0
+        self.slots_calls = 0
+        self.processing = 1
         self.queries = 1000
         self.up = True
         self.delay_s = 0.0
@@ -38,16 +40,23 @@ class FakeLlama:
             await asyncio.sleep(self.delay_s)
             if not self.up:
                 return web.Response(status=503)
-            return web.Response(text=METRICS.format(queries=self.queries))
+            return web.Response(text=METRICS.format(queries=self.queries,
+                                                    processing=self.processing))
 
         async def props(_: web.Request) -> web.Response:
             self.props_calls += 1
             return web.json_response({"total_slots": 4, "default_generation_settings":
                                       {"n_ctx": 2048, "temperature": 0.8}})
 
+        async def slots(_: web.Request) -> web.Response:
+            self.slots_calls += 1
+            return web.json_response([{"is_processing": True, "n_prompt_tokens_processed": 256,
+                                       "next_token": [{"n_decoded": 0}]}])
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/props", props)
+        app.router.add_get("/slots", slots)
         return app
 
 
@@ -96,6 +105,28 @@ def test_llamacpp_slots_come_from_props_once_and_again_after_a_failure_or_restar
             fake.queries = 10  # counters went back: the engine restarted
             await scraper.scrape_all()
             assert fake.props_calls == 3 and w.metrics.slots == 4
+        finally:
+            await scraper.close()
+            await runner.cleanup()
+    asyncio.run(main())
+
+
+def test_llamacpp_prefill_progress_is_read_only_while_a_request_is_processing() -> None:
+    """/slots is answered by the engine's main loop: an idle worker is not asked."""
+    async def main() -> None:
+        fake = FakeLlama()
+        runner, addr = await serve(fake)
+        router, pool = pool_with([addr], "llamacpp")
+        scraper = Scraper(router, StaticTargets(timeout_s=2.0))
+        w = pool.workers[addr]
+        try:
+            fake.processing = 0
+            for _ in range(3):
+                await scraper.scrape_all()
+            assert fake.slots_calls == 0 and w.metrics.prefill_done_tokens == 0
+            fake.processing = 1
+            await scraper.scrape_all()
+            assert fake.slots_calls == 1 and w.metrics.prefill_done_tokens == 256
         finally:
             await scraper.close()
             await runner.cleanup()

@@ -23,8 +23,12 @@ from cachepilot.tooling.stack import PortInUseError, check_port_free
 # a CPU worker both come out of the engine's cores, and at 4 Hz two of four runs of
 # benchmarks/vllm_scrape_interference.py saw the worker slowed (docs/results/vllm-scrape).
 # KV events carry its cache state, and the gateway counts what it sent itself, so 1 s (a
-# CachePilotPool's default) loses little.
-SCRAPE_INTERVAL_S = {"vllm": 1.0}
+# CachePilotPool's default) loses little. llama.cpp: at 4 Hz (/metrics and /slots) the
+# gateway and the workers answering it took ~3 % of a core with nothing to serve, sglang-
+# router 0.1 % (benchmarks/llama_idle_cpu.py), and a cold prefill through CachePilot took
+# a median 60 ms longer than the same one through sglang-router; at 1 Hz, 17 ms
+# (docs/real-model.md). The gateway counts what it sent itself in between.
+SCRAPE_INTERVAL_S = {"vllm": 1.0, "llamacpp": 1.0}
 
 
 def parse_weights(text: str | None) -> Weights:
@@ -129,8 +133,9 @@ def routing_options(f):  # type: ignore[no-untyped-def]
               help="llama.cpp workers: their -ub (llama-server's default), where the context "
                    "checkpoints a sliding-window model reuses from fall.")
 @click.option("--scrape-interval", type=click.FloatRange(min=0.01), default=None,
-              help="Seconds between scrapes of each worker's /metrics [default: 1 for vLLM, "
-                   "whose scrapes are large (docs/results/vllm-scrape), as a CachePilotPool "
+              help="Seconds between scrapes of each worker's /metrics [default: 1 for vLLM "
+                   "and llama.cpp, whose scrapes take CPU from CPU engines "
+                   "(docs/results/vllm-scrape, docs/real-model.md), as a CachePilotPool "
                    "does; 0.25 for the other engines].")
 @click.option("--scrape-timeout", type=float, default=1.0, show_default=True,
               help="Seconds a worker's /metrics may take (llama.cpp answers between batches).")

@@ -52,6 +52,7 @@ class LlamaStack(LoopbackAddresses):
     # The gateway's --predictor-state: a study's phases share one, as one long-running
     # gateway would keep what it learned of these workers (None: each start from the prior).
     predictor_state: str | None = None
+    scrape_interval_s: float | None = None  # None: the gateway's default for llama.cpp
     # Envoy's per-try wait for a worker's first byte. A CPU worker with a queue can take
     # minutes to start answering; 1800 s is both peer routers' request timeout, so every
     # router of a study gives up at the same point (the sim stack's 60 s would 504 them).
@@ -138,7 +139,9 @@ class LlamaStack(LoopbackAddresses):
                 "--llama-min-reuse", str(SLIDING_WINDOW), "--llama-ubatch", str(self.spec.batch),
                 "--scrape-timeout", "5", "--stall-after", f"{self.stall_after_s():.0f}",
                 "--decision-log", str(Path(self.log_dir or ".") / "decisions"),
-                *(["--predictor-state", self.predictor_state] if self.predictor_state else [])]
+                *(["--predictor-state", self.predictor_state] if self.predictor_state else []),
+                *(["--scrape-interval", f"{self.scrape_interval_s:g}"]
+                  if self.scrape_interval_s is not None else [])]
 
     def stall_after_s(self) -> float:
         """How long a worker may go without any first byte before the gateway takes it out
