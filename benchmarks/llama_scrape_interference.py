@@ -1,7 +1,9 @@
 """Does scraping a llama-server slow its prefill?
 
 llama-server answers ``/metrics`` and ``/slots`` from the loop that runs inference, between
-batches, and the gateway asks for both every scrape (0.25 s by default for llama.cpp). This
+batches, and the gateway asked for both every scrape (0.25 s by default for llama.cpp; now
+1 s, /slots only while a request is processing, and the connection closed: the kept-alive
+connection this poller holds is what costs, benchmarks/llama_idle_cpu.py). This
 starts one worker as the real-worker studies run it (``LlamaWorkerSpec``: one thread, one
 slot, the host prompt cache) and times cold prompts (new text each, ``--words`` words, one
 token out) sent straight to it, in pairs: one with nothing else talking to the worker, one
