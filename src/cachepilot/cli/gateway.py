@@ -23,11 +23,10 @@ from cachepilot.tooling.stack import PortInUseError, check_port_free
 # a CPU worker both come out of the engine's cores, and at 4 Hz two of four runs of
 # benchmarks/vllm_scrape_interference.py saw the worker slowed (docs/results/vllm-scrape).
 # KV events carry its cache state, and the gateway counts what it sent itself, so 1 s (a
-# CachePilotPool's default) loses little. llama.cpp: at 4 Hz (/metrics and /slots) the
-# gateway and the workers answering it took ~3 % of a core with nothing to serve, sglang-
-# router 0.1 % (benchmarks/llama_idle_cpu.py), and a cold prefill through CachePilot took
-# a median 60 ms longer than the same one through sglang-router; at 1 Hz, 17 ms
-# (docs/real-model.md). The gateway counts what it sent itself in between.
+# CachePilotPool's default) loses little. llama.cpp: with nothing to serve, the gateway and
+# the workers answering it took 2.2 % of a core at 4 Hz and 1.25 % at 1 Hz (scrapes on
+# connections closed after each), sglang-router 0.17 % (benchmarks/llama_idle_cpu.py); on
+# 2 cores that comes out of the prefills. The gateway counts what it sent in between.
 SCRAPE_INTERVAL_S = {"vllm": 1.0, "llamacpp": 1.0}
 
 
