@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from cachepilot.core import BlockConfig, Pool, PoolSpec, Router
+from cachepilot.core import BlockConfig, Pool, PoolSpec, Router, WorkerState
 from cachepilot.datalayer.engines import parse_props
 from cachepilot.datalayer.scrape import Scraper, StaticTargets, error_text
 
@@ -76,6 +78,19 @@ def pool_with(addresses: list[str], engine: str) -> tuple[Router, Pool]:
     return Router([pool]), pool
 
 
+@asynccontextmanager
+async def scraping_one(fake: FakeLlama) -> AsyncIterator[tuple[Scraper, WorkerState]]:
+    """A scraper of one fake llama.cpp worker, and that worker's state in the pool."""
+    runner, addr = await serve(fake)
+    router, pool = pool_with([addr], "llamacpp")
+    scraper = Scraper(router, StaticTargets(timeout_s=2.0))
+    try:
+        yield scraper, pool.workers[addr]
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+
+
 def test_parse_props_reads_slots_and_context_per_slot() -> None:
     assert parse_props(b'{"total_slots": 2, "default_generation_settings": {"n_ctx": 4096}}'
                        ) == (2, 4096)
@@ -86,11 +101,7 @@ def test_parse_props_reads_slots_and_context_per_slot() -> None:
 def test_llamacpp_slots_come_from_props_once_and_again_after_a_failure_or_restart() -> None:
     async def main() -> None:
         fake = FakeLlama()
-        runner, addr = await serve(fake)
-        router, pool = pool_with([addr], "llamacpp")
-        scraper = Scraper(router, StaticTargets(timeout_s=2.0))
-        w = pool.workers[addr]
-        try:
+        async with scraping_one(fake) as (scraper, w):
             for _ in range(3):
                 await scraper.scrape_all()
                 assert w.metrics is not None
@@ -105,9 +116,6 @@ def test_llamacpp_slots_come_from_props_once_and_again_after_a_failure_or_restar
             fake.queries = 10  # counters went back: the engine restarted
             await scraper.scrape_all()
             assert fake.props_calls == 3 and w.metrics.slots == 4
-        finally:
-            await scraper.close()
-            await runner.cleanup()
     asyncio.run(main())
 
 
@@ -115,11 +123,7 @@ def test_llamacpp_prefill_progress_is_read_only_while_a_request_is_processing() 
     """/slots is answered by the engine's main loop: an idle worker is not asked."""
     async def main() -> None:
         fake = FakeLlama()
-        runner, addr = await serve(fake)
-        router, pool = pool_with([addr], "llamacpp")
-        scraper = Scraper(router, StaticTargets(timeout_s=2.0))
-        w = pool.workers[addr]
-        try:
+        async with scraping_one(fake) as (scraper, w):
             fake.processing = 0
             for _ in range(3):
                 await scraper.scrape_all()
@@ -127,9 +131,6 @@ def test_llamacpp_prefill_progress_is_read_only_while_a_request_is_processing() 
             fake.processing = 1
             await scraper.scrape_all()
             assert fake.slots_calls == 1 and w.metrics.prefill_done_tokens == 256
-        finally:
-            await scraper.close()
-            await runner.cleanup()
     asyncio.run(main())
 
 

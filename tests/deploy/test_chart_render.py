@@ -475,13 +475,23 @@ def test_the_gateway_can_mount_the_workers_tokenizer(chart: helm.Chart) -> None:
         chart.validate_schema({"gateway": {"extraVolumeMounts": [{"name": "x"}]}})
 
 
+def envoy_config_of(init: dict, tmp_path: Path) -> str:
+    """Run the chart's envoy-config init container's arguments; the config it writes."""
+    from click.testing import CliRunner
+
+    from cachepilot.cli.gateway import envoy_config_cmd
+
+    out = tmp_path / "envoy.yaml"
+    args = [a if not a.startswith("--output=") else f"--output={out}" for a in init["args"][1:]]
+    result = CliRunner().invoke(envoy_config_cmd, args)
+    assert result.exit_code == 0, result.output
+    return out.read_text()
+
+
 def test_processes_per_pod_get_envoy_config_for_them(chart: helm.Chart, tmp_path: Path) -> None:
     """gateway.processes: 2 runs `cachepilot gateway --processes=2`, and an init container
     writes Envoy's config for two processes with the generator's own options (the chart's
     ports), which the Envoy container then reads instead of the ConfigMap."""
-    from click.testing import CliRunner
-
-    from cachepilot.cli.gateway import envoy_config_cmd
     from cachepilot.deploy.envoy import render as render_envoy
 
     objs = render(chart, {"gateway": {"processes": 2}})
@@ -492,11 +502,8 @@ def test_processes_per_pod_get_envoy_config_for_them(chart: helm.Chart, tmp_path
     assert init["command"] == ["cachepilot"] and init["args"][0] == "envoy-config"
     volume = next(v for v in pod["volumes"] if v["name"] == "envoy-config")
     assert "emptyDir" in volume and "configMap" not in volume
-    out = tmp_path / "envoy.yaml"
-    args = [a if not a.startswith("--output=") else f"--output={out}" for a in init["args"][1:]]
-    result = CliRunner().invoke(envoy_config_cmd, args)
-    assert result.exit_code == 0, result.output
-    assert out.read_text() == render_envoy(generate.chart_envoy_options(ext_proc_processes=2))
+    written = envoy_config_of(init, tmp_path)
+    assert written == render_envoy(generate.chart_envoy_options(ext_proc_processes=2))
     assert "--processes=2" not in containers(render(chart))["gateway"]["args"]
     assert "initContainers" not in render(chart)["Deployment/cp-cachepilot"]["spec"][
         "template"]["spec"]
@@ -506,9 +513,6 @@ def test_one_request_per_worker_connection_gets_envoy_config_for_it(
         chart: helm.Chart, tmp_path: Path) -> None:
     """envoy.workerRequestsPerConnection (1 for llama.cpp workers): the init container writes
     Envoy's config with that limit on the clusters to workers."""
-    from click.testing import CliRunner
-
-    from cachepilot.cli.gateway import envoy_config_cmd
     from cachepilot.deploy.envoy import render as render_envoy
 
     objs = render(chart, {"envoy": {"workerRequestsPerConnection": 1}})
@@ -516,11 +520,7 @@ def test_one_request_per_worker_connection_gets_envoy_config_for_it(
     init = pod["initContainers"][0]
     assert "--worker-requests-per-connection=1" in init["args"]
     assert "--processes=2" not in containers(objs)["gateway"]["args"]
-    out = tmp_path / "envoy.yaml"
-    args = [a if not a.startswith("--output=") else f"--output={out}" for a in init["args"][1:]]
-    result = CliRunner().invoke(envoy_config_cmd, args)
-    assert result.exit_code == 0, result.output
-    written = out.read_text()
+    written = envoy_config_of(init, tmp_path)
     assert written == render_envoy(generate.chart_envoy_options(worker_requests_per_connection=1))
     assert "max_requests_per_connection: 1" in written
     with pytest.raises(helm.HelmError):

