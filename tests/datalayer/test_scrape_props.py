@@ -36,8 +36,15 @@ class FakeLlama:
         self.queries = 1000
         self.up = True
         self.delay_s = 0.0
+        self.connection: dict[str, list[str | None]] = {}  # path → each request's header
 
     def app(self) -> web.Application:
+        @web.middleware
+        async def note_connection(request: web.Request, handler):  # type: ignore[no-untyped-def]
+            self.connection.setdefault(request.path, []).append(
+                request.headers.get("Connection"))
+            return await handler(request)
+
         async def metrics(_: web.Request) -> web.Response:
             await asyncio.sleep(self.delay_s)
             if not self.up:
@@ -55,7 +62,7 @@ class FakeLlama:
             return web.json_response([{"is_processing": True, "n_prompt_tokens_processed": 256,
                                        "next_token": [{"n_decoded": 0}]}])
 
-        app = web.Application()
+        app = web.Application(middlewares=[note_connection])
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/props", props)
         app.router.add_get("/slots", slots)
@@ -89,6 +96,23 @@ async def scraping_one(fake: FakeLlama) -> AsyncIterator[tuple[Scraper, WorkerSt
     finally:
         await scraper.close()
         await runner.cleanup()
+
+
+def test_llamacpp_scrapes_close_their_connection() -> None:
+    """llama-server polls every kept-alive connection while idle, on the cores it computes on
+    (benchmarks/llama_idle_cpu.py): each scrape of /metrics, /props and /slots asks it to
+    close the connection after the answer."""
+    async def main() -> None:
+        fake = FakeLlama()
+        async with scraping_one(fake) as (scraper, w):
+            for _ in range(2):
+                await scraper.scrape_all()
+            assert w.ready
+        assert fake.slots_calls and fake.props_calls  # all three were read
+        assert fake.connection == {"/metrics": ["close"] * 2, "/props": ["close"],
+                                   "/slots": ["close"] * 2}
+
+    asyncio.run(main())
 
 
 def test_parse_props_reads_slots_and_context_per_slot() -> None:
