@@ -173,6 +173,23 @@ def test_outputs_are_written_with_the_command(tmp_path: Path) -> None:
     assert "| sglang_cache_aware | -46% [" in md and "**better**" in md
     assert "after Holm's adjustment over all 8" in md
     assert (tmp_path / "real_peers.png").stat().st_size > 10_000
+    assert "router CPU" not in md  # not measured before 2026-12-07: no column
+
+
+def test_the_routers_cpu_is_a_column_when_measured(tmp_path: Path) -> None:
+    data = _data([0.5, 0.6, 0.7], 0.6)
+    for p in data["phases"]:
+        p["router_cpu_ms_per_request"] = {"cachepilot": 9.0, "sglang_cache_aware": 2.5,
+                                          "round_robin": 8.0}[p["router"]] + p["seed"] - 12
+    study_report.write_outputs(data, StudyOutput(tmp_path, "x"))
+    md = (tmp_path / "report.md").read_text()
+    assert "| errors | router CPU ms/request |" in md
+    rows: dict[str, str] = {}  # the first table's rows
+    for line in md.splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split(" | ")[0], line)
+    assert rows["| cachepilot"].endswith(" 9.0 |")  # the mean over seeds 11–13
+    assert rows["| sglang_cache_aware"].endswith(" 2.5 |")
 
 
 def test_a_report_is_rewritten_from_its_own_data(tmp_path: Path) -> None:
@@ -216,3 +233,5 @@ def test_tiny_real_study(tmp_path: Path) -> None:
         assert p["errors"] == 0 and p["requests"] == 4
         assert sum(p["engine_prompt_tokens"]) > 4 * 400  # the workers saw every prompt
         assert p["token_hit_rate"] == pytest.approx(p["engine_token_hit_rate"], abs=0.01)
+        # Envoy and the gateway, or sglang-router's launcher and its server, did some work.
+        assert p["router_cpu_ms_per_request"] > 0 and p["workers_cpu_s"] > 0

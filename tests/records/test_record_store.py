@@ -88,6 +88,28 @@ def test_gateway_calls_as_made_by_the_ext_proc_processor(tmp_path: Path) -> None
     log.close()
 
 
+def test_an_idle_writer_backs_off_and_still_writes_the_next_record(tmp_path: Path) -> None:
+    """With nothing to write the writer's tick doubles up to idle_tick_s (it ticked every
+    linger_s, 50 times a second, before); a record after a quiet spell is written within
+    about one idle tick, without a flush."""
+    router, pool = make_router()
+    d = route(router, 1)[0]
+    with Recorder(tmp_path / "log", linger_s=0.02, idle_tick_s=0.5) as rec:
+        waits: list[float | None] = []
+        wait = rec._wake.wait
+
+        def counted(timeout: float | None = None) -> bool:
+            waits.append(timeout)
+            return wait(timeout)
+
+        rec._wake.wait = counted  # type: ignore[method-assign]
+        time.sleep(1.5)
+        assert len(waits) <= 10, waits  # ticking every 20 ms: ~75
+        assert max(t for t in waits if t is not None) == 0.5
+        rec.decision(d, pool)
+        until(lambda: rec.get(d.id), timeout=5.0, what="the record written without a flush")
+
+
 def test_schema_version_checked() -> None:
     router, _ = make_router()
     rec = decision_to_record(route(router, 1)[0])

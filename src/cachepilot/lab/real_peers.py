@@ -128,6 +128,17 @@ def _send(stack: Any, router: RouterSpec, reqs: list[SimRequest], cfg: StudyConf
     return cachepilot_summary(samples, wall), samples, wall
 
 
+def _cpu(stack: Any, vllm: VllmStack | None) -> tuple[float, float]:
+    """CPU seconds used so far by the router's processes (Envoy and the gateway, or the peer
+    router) and by the workers: on a machine whose cores the workers compute on, what the
+    router burns is taken from them."""
+    if vllm is not None:
+        return vllm.router_processes.cpu_seconds(), vllm.processes.cpu_seconds()
+    procs = stack.processes
+    return (procs.cpu_seconds(lambda n: not n.startswith("llama-")),
+            procs.cpu_seconds(lambda n: n.startswith("llama-")))
+
+
 def run_phase(router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig, log_dir: str,
               progress: Progress, vllm: VllmStack | None = None
               ) -> tuple[dict[str, Any], list[Result]]:
@@ -153,7 +164,9 @@ def run_phase(router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig, log_
     try:
         started = time.monotonic() - t0
         before = [engine_counters(a, cfg.engine) for a in stack.worker_addresses]
+        cpu_before = _cpu(stack, vllm)
         summary, samples, wall = _send(stack, router, reqs, cfg, progress)
+        cpu = [b - a for a, b in zip(cpu_before, _cpu(stack, vllm), strict=True)]
         after = [engine_counters(a, cfg.engine) for a in stack.worker_addresses]
         if vllm is None:
             assert stack.spec is not None and stack.calibration is not None
@@ -169,6 +182,8 @@ def run_phase(router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig, log_
         "router": router.name, "kind": router.kind, "policy": router.policy,
         "engine": cfg.engine, "api": cfg.api,
         "start_s": round(started, 1), "wall_s": round(wall, 1),
+        "router_cpu_ms_per_request": round(cpu[0] * 1000 / len(reqs), 1),
+        "workers_cpu_s": round(cpu[1], 2),
         "error_samples": [r.error for r in samples if not r.ok][:5],
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], **extra}
     summary.pop("per_worker", None)  # only CachePilot's answers name the worker

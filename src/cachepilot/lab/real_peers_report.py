@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 OURS = "cachepilot"
 TTFT = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
 COMPARED = (*TTFT, "token_hit_rate")  # paired against every other router
-TABLE = (*TTFT, "ttft_mean_s", "token_hit_rate", "imbalance", "errors")
+TABLE = (*TTFT, "ttft_mean_s", "token_hit_rate", "imbalance", "errors",
+         "router_cpu_ms_per_request")  # the last absent from results before 2026-12-07
 ALL = "all workloads"  # the pooled cells
+CPU = "router_cpu_ms_per_request"
 
 
 def _cells(phases: list[dict[str, Any]], workload: str | None) -> dict[tuple[str, int], dict]:
@@ -60,7 +62,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             continue
 
         def vals(router: str, k: str, rows: list[dict] = rows) -> list[float]:
-            return [float("nan") if r[router][k] is None else r[router][k] for r in rows]
+            return [float("nan") if r[router].get(k) is None else r[router][k] for r in rows]
 
         out[name] = {
             "cells": len(rows),
@@ -147,6 +149,7 @@ def _ms(x: float) -> str:
 def report(data: dict[str, Any], stats: dict[str, Any], plot_name: str) -> str:
     cfg = data["config"]
     phases = data["phases"]
+    cpu = any(p.get(CPU) is not None for p in phases)  # measured since 2026-12-07
     loads = [x for p in phases for x in p["loadavg_1m"]]
     vllm = cfg.get("engine") == "vllm"
     api = {"chat": "chat completions", "completions": "text completions"}[
@@ -179,19 +182,24 @@ def report(data: dict[str, Any], stats: dict[str, Any], plot_name: str) -> str:
          "better / worse when the unadjusted interval excludes zero, **bold** when the "
          "difference also survives Holm's adjustment over every comparison of this report; "
          "n.s. otherwise. The bar's \"significant loss\" is the unadjusted test (the "
-         "stricter on CachePilot).", "", holm_summary(stats), ""]
+         "stricter on CachePilot)."
+         + (" Router CPU: what the router's processes (Envoy and the gateway, or the peer "
+            "router) used while the phase's requests ran, per request; the workers compute "
+            "on the same cores." if cpu else ""), "", holm_summary(stats), ""]
     for name, st in stats.items():
         spec = data["workloads"].get(name)
         what = (f"{spec['kind']}, {spec['rate']:g} req/s" if spec else
                 f"every (workload, seed) cell, {st['cells']} pairs")
         L += [f"## {name}", "", what + ".", "",
-              "| router | p50 ms | p90 ms | p99 ms | mean ms | hit rate | imbalance | errors |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| router | p50 ms | p90 ms | p99 ms | mean ms | hit rate | imbalance | errors |"
+              + (" router CPU ms/request |" if cpu else ""),
+              "|---|---|---|---|---|---|---|---|" + ("---|" if cpu else "")]
         for r, t in st["table"].items():
             L.append(f"| {r} | " + " | ".join(
                 f"{_ms(t[k]['mean'])} ± {_ms(t[k]['hi'] - t[k]['mean'])}" for k in TTFT)
                 + f" | {_ms(t['ttft_mean_s']['mean'])} | {t['token_hit_rate']['mean']:.3f} | "
-                f"{t['imbalance']['mean']:.2f} | {t['errors']['mean']:.1f} |")
+                f"{t['imbalance']['mean']:.2f} | {t['errors']['mean']:.1f} |"
+                + (f" {t[CPU]['mean']:.1f} |" if cpu else ""))
         if st["vs"]:
             L += ["", "| CachePilot − | p50 | p90 | p99 | hit rate |", "|---|---|---|---|---|"]
             for r, d in st["vs"].items():

@@ -5,6 +5,7 @@ answer, stop them all. Shared by the simulated stack (:mod:`.stack`) and the lla
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.error
@@ -65,6 +66,39 @@ def gateway_scraped_all(admin_url: str) -> bool:
     except OSError:
         return False
     return code == 200 and all(w["scraped_at"] for w in json.loads(body))
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _stat(pid: int | str) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process, from /proc; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The command name may hold spaces and parentheses: the fields follow its last ")".
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+def tree_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by these processes and their live descendants
+    (a launcher script may run its server as a child): 0 on a system without /proc."""
+    stats = {int(e): st for e in (os.listdir("/proc") if os.path.isdir("/proc") else ())
+             if e.isdigit() and (st := _stat(e)) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo, seen = 0.0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in stats:
+            continue
+        seen.add(pid)
+        total += stats[pid][1]
+        todo += children.get(pid, [])
+    return total
 
 
 @dataclass
@@ -131,6 +165,11 @@ class Processes:
                 raise TimeoutError(f"not ready after {timeout_s}s: {what} "
                                    f"(logs: {self.log_dir})")
             time.sleep(poll_s)
+
+    def cpu_seconds(self, names: Callable[[str], bool] = lambda _: True) -> float:
+        """CPU seconds the live processes whose names pass ``names`` (and their children)
+        have used so far; a difference of two calls is what they used in between."""
+        return tree_cpu_seconds([p.pid for n, p in self.procs.items() if names(n)])
 
     def kill(self, name: str) -> None:
         proc = self.procs.pop(name)
