@@ -6,6 +6,7 @@ that runs inference. On a 2-core machine with a single-threaded worker per core,
 router takes comes out of the prefills (docs/real-model.md).
 
     python benchmarks/llama_idle_cpu.py [--rounds 3] [--seconds 30] [--intervals 0.25,1]
+    python benchmarks/llama_idle_cpu.py --intervals 1 --log-off   # what the decision log costs
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=30.0, help="quiet time measured")
     ap.add_argument("--intervals", default="0.25,1",
                     help="CachePilot's scrape intervals (s) to compare")
+    ap.add_argument("--log-off", action="store_true",
+                    help="also CachePilot without a decision log, at the last interval")
     args = ap.parse_args()
     why = llamacpp.installed()
     if why:
@@ -48,6 +51,10 @@ def main() -> int:
     setups: list[tuple[str, dict]] = [
         (f"cachepilot, scrape every {s:g} s", {"scrape_interval_s": s})
         for s in map(float, args.intervals.split(","))]
+    if args.log_off:
+        last = float(args.intervals.split(",")[-1])
+        setups.append((f"cachepilot, scrape every {last:g} s, no decision log",
+                       {"scrape_interval_s": last, "decision_log": False}))
     setups.append(("sglang-router", {"peer": ROUTERS["sglang_cache_aware"]}))
     shares: dict[str, list[dict[str, float]]] = {name: [] for name, _ in setups}
     for r in range(args.rounds):

@@ -78,6 +78,9 @@ def test_gateway_directory_is_sized_by_the_engine_not_a_guess(
     stack.capacity_blocks = 40
     args = stack.gateway_args()
     assert args[args.index("--capacity-blocks") + 1] == "40"
+    assert args[args.index("--decision-log") + 1] == "/tmp/x/decisions"
+    stack.decision_log = False  # benchmarks/llama_idle_cpu.py --log-off
+    assert "--decision-log" not in stack.gateway_args()
 
 
 def test_slot_directory_forgets_an_overwritten_prompt() -> None:

@@ -95,9 +95,10 @@ class Recorder:
         # fsync) per 20 ms at most, and few moments when the writer thread holds the GIL the
         # gateway's event loop wants.
         self.linger_s = linger_s
-        # An idle writer backs off, its tick doubling up to this: ticking every linger_s
-        # with nothing to write was three quarters of an idle gateway's CPU (0.65 % of a
-        # core). The first record after a quiet spell waits at most this long to be written.
+        # An idle writer backs off, its tick doubling up to this: 50 wake-ups a second with
+        # nothing to write were most of an idle gateway's CPU (docs/real-model.md, "What the
+        # gateway costs the workers"). The first record after a quiet spell waits at most
+        # this long to be written.
         self.idle_tick_s = max(linger_s, idle_tick_s)
         self.retention_interval_s = retention_interval_s
         self.written = {"decision": 0, "outcome": 0}

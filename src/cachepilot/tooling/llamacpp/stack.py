@@ -53,6 +53,7 @@ class LlamaStack(LoopbackAddresses):
     # gateway would keep what it learned of these workers (None: each start from the prior).
     predictor_state: str | None = None
     scrape_interval_s: float | None = None  # None: the gateway's default for llama.cpp
+    decision_log: bool = True  # False: the gateway keeps none (what one costs, measured)
     # Envoy's per-try wait for a worker's first byte. A CPU worker with a queue can take
     # minutes to start answering; 1800 s is both peer routers' request timeout, so every
     # router of a study gives up at the same point (the sim stack's 60 s would 504 them).
@@ -138,7 +139,8 @@ class LlamaStack(LoopbackAddresses):
                 # Gemma 3's sliding window: shorter matches are reused from checkpoints only.
                 "--llama-min-reuse", str(SLIDING_WINDOW), "--llama-ubatch", str(self.spec.batch),
                 "--scrape-timeout", "5", "--stall-after", f"{self.stall_after_s():.0f}",
-                "--decision-log", str(Path(self.log_dir or ".") / "decisions"),
+                *(["--decision-log", str(Path(self.log_dir or ".") / "decisions")]
+                  if self.decision_log else []),
                 *(["--predictor-state", self.predictor_state] if self.predictor_state else []),
                 *(["--scrape-interval", f"{self.scrape_interval_s:g}"]
                   if self.scrape_interval_s is not None else [])]
