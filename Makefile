@@ -47,7 +47,8 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 # (seeds 11-15 and 31-32 were used while developing; 201-205 were read before the
 # 2026-12-06 changes, 206-210 before the llama.cpp connection changes). llama.cpp chat:
 # ~32 min on 2 cores; completions about the same; vLLM: add ~2 min to start its workers
-# (the committed vLLM runs: REAL_PEERS_SEEDS=301-303 completions, 304-306 chat).
+# (the committed vLLM runs: REAL_PEERS_SEEDS=301-303 completions, 304-306 chat; the
+# committed llama.cpp completions run: REAL_PEERS_SEEDS=216-220, after the 2026-12-07 changes).
 REAL_PEERS_SEEDS ?= 211-215
 real-peers: $(VENV)/.installed-peers
 	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api chat --out docs/results/real-peers --logs runs/real-peers-logs
