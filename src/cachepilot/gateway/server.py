@@ -331,6 +331,9 @@ class Gateway:
             return web.json_response({"error": "no decision log configured "
                                                "(--decision-log)"}, status=404)
         rec = self.recorder.get(request.match_info["id"])
+        if rec is None:  # maybe still queued (an idle writer ticks every 0.5 s): write it
+            await asyncio.to_thread(self.recorder.flush, 2.0)
+            rec = self.recorder.get(request.match_info["id"])
         if rec is None:
             return web.json_response({"error": "no such decision"}, status=404)
         return web.json_response({"record": rec, "explanation": summary(rec)})
