@@ -43,13 +43,13 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 	$(BIN)/pip install --quiet -e '.[dev,llamacpp,peers]'
 	touch $@
 
-# CachePilot vs sglang-router and vllm-router on real workers, on evaluation seeds 211-215
+# CachePilot vs sglang-router and vllm-router on real workers, on evaluation seeds 216-220
 # (seeds 11-15 and 31-32 were used while developing; 201-205 were read before the
-# 2026-12-06 changes, 206-210 before the llama.cpp connection changes). llama.cpp chat:
-# ~32 min on 2 cores; completions about the same; vLLM: add ~2 min to start its workers
-# (the committed vLLM runs: REAL_PEERS_SEEDS=301-303 completions, 304-306 chat; the
-# committed llama.cpp completions run: REAL_PEERS_SEEDS=216-220, after the 2026-12-07 changes).
-REAL_PEERS_SEEDS ?= 211-215
+# 2026-12-06 changes, 206-210 before the llama.cpp connection changes, 211-215 before the
+# 2026-12-07 ones). llama.cpp chat: ~30 min on 2 cores; completions about the same; vLLM:
+# add ~2 min to start its workers (the committed vLLM runs: REAL_PEERS_SEEDS=301-303
+# completions, 304-306 chat).
+REAL_PEERS_SEEDS ?= 216-220
 real-peers: $(VENV)/.installed-peers
 	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api chat --out docs/results/real-peers --logs runs/real-peers-logs
 real-peers-completions: $(VENV)/.installed-peers

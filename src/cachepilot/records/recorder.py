@@ -97,7 +97,7 @@ class Recorder:
         self.linger_s = linger_s
         # An idle writer backs off, its tick doubling up to this: 50 wake-ups a second with
         # nothing to write were most of an idle gateway's CPU (docs/real-model.md, "Fifth
-        # run"). The first record after a quiet spell waits at most this long to be written.
+        # runs"). The first record after a quiet spell waits at most this long to be written.
         self.idle_tick_s = max(linger_s, idle_tick_s)
         self.retention_interval_s = retention_interval_s
         self.written = {"decision": 0, "outcome": 0}
