@@ -3,6 +3,7 @@ writer ticks every 0.5 s) is written before the API answers, not a 404."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from helpers.gateway_thread import GatewayThread
 WORKER = "127.0.0.1:1"  # never contacted: the test routes in process, scrapes are off
 
 
+class OnlyWhenSet(threading.Event):
+    def wait(self, timeout: float | None = None) -> bool:
+        return super().wait()  # the timeout (the writer's tick) ignored
+
+
 def test_a_decision_still_queued_is_written_before_the_answer(tmp_path: Path) -> None:
     router = static_router([WORKER], policy="priced", weights=Weights(), models=("m",),
                            block=BlockConfig(), capacity_blocks=4096, engine="sim")
@@ -27,8 +33,10 @@ def test_a_decision_still_queued_is_written_before_the_answer(tmp_path: Path) ->
     with GatewayThread(router, cfg) as gw:
         recorder = gw.gateway.recorder
         assert recorder is not None
-        recorder.idle_tick_s = 60.0  # the writer will not tick again during the test
-        time.sleep(1.5)  # idle: its tick has grown past a second
+        # The writer drains only when woken (a flush, the close), never on its tick: once
+        # its current tick (0.5 s at most) is over, whatever is queued stays queued.
+        recorder._wake = OnlyWhenSet()
+        time.sleep(1.0)
 
         def route() -> str:
             pool = router.pools["default"]
