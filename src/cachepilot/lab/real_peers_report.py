@@ -33,10 +33,9 @@ if TYPE_CHECKING:
 OURS = "cachepilot"
 TTFT = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
 COMPARED = (*TTFT, "token_hit_rate")  # paired against every other router
-TABLE = (*TTFT, "ttft_mean_s", "token_hit_rate", "imbalance", "errors",
-         "router_cpu_ms_per_request")  # the last absent from results before 2026-12-07
+CPU = "router_cpu_ms_per_request"  # absent from results before 2026-12-07
+TABLE = (*TTFT, "ttft_mean_s", "token_hit_rate", "imbalance", "errors", CPU)
 ALL = "all workloads"  # the pooled cells
-CPU = "router_cpu_ms_per_request"
 
 
 def _cells(phases: list[dict[str, Any]], workload: str | None) -> dict[tuple[str, int], dict]:
