@@ -58,7 +58,7 @@ from cachepilot.gateway.protocol import (
     ROLE_METADATA,
     WORKER_HEADER,
 )
-from cachepilot.tooling.procs import wait_http_ok
+from cachepilot.tooling.procs import process_stat, wait_http_ok
 from cachepilot.tooling.stack import free_port
 
 METRICS = """# TYPE vllm:num_requests_waiting gauge
@@ -207,11 +207,13 @@ def bodies_for(tokens: int, n: int, seed: int = 0) -> list[bytes]:
 
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU time the processes (all their threads) have used so far."""
-    total = 0
+    total = 0.0
     for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return total / os.sysconf("SC_CLK_TCK")
+        st = process_stat(pid)
+        if st is None:
+            raise ProcessLookupError(f"process {pid} has exited")
+        total += st[1]
+    return total
 
 
 def wait_port(port: int, timeout_s: float = 60.0) -> None:

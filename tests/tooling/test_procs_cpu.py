@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepilot.tooling.procs import Processes, _stat, tree_cpu_seconds
+from cachepilot.tooling.procs import Processes, process_stat, tree_cpu_seconds
 
 from helpers.polling import until
 
@@ -31,12 +31,12 @@ def test_a_launchers_busy_child_is_charged_to_it(tmp_path: Path) -> None:
         used = until(lambda: max(0.0, procs.cpu_seconds(lambda n: n == "router") - start)
                      > 0.3, timeout=20.0, what="the child's CPU counted")
         assert used
-        own = _stat(router)
+        own = process_stat(router)
         assert own is not None and own[1] < 0.3  # the launcher itself hardly ran
         assert procs.cpu_seconds(lambda n: n == "idle") < 0.3  # the filter left it out
         child = next(pid for pid in map(int, (p.name for p in Path("/proc").iterdir()
                                                 if p.name.isdigit()))
-                     if (st := _stat(pid)) is not None and st[0] == router)
+                     if (st := process_stat(pid)) is not None and st[0] == router)
     finally:
         procs.stop()
         if child is not None:

@@ -71,7 +71,7 @@ def gateway_scraped_all(admin_url: str) -> bool:
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
-def _stat(pid: int | str) -> tuple[int, float] | None:
+def process_stat(pid: int | str) -> tuple[int, float] | None:
     """(parent pid, user + system CPU seconds) of a live process, from /proc; None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -86,7 +86,7 @@ def tree_cpu_seconds(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by these processes and their live descendants
     (a launcher script may run its server as a child): 0 on a system without /proc."""
     stats = {int(e): st for e in (os.listdir("/proc") if os.path.isdir("/proc") else ())
-             if e.isdigit() and (st := _stat(e)) is not None}
+             if e.isdigit() and (st := process_stat(e)) is not None}
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
