@@ -34,6 +34,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from cachepilot.records.schema import record_hashes
 from cachepilot.records.store import Store
 
 SKIP_BLOCKS = 4  # the system prompt's blocks: every request shares them
@@ -78,7 +79,7 @@ def diversions(cells: dict[str, list[dict[str, Any]]]) -> None:
     for name, recs in cells.items():
         held: dict[tuple[str, ...], set[str]] = {}
         for r in recs:
-            hs = r["hashes"]
+            hs = record_hashes(r)
             key = tuple(hs[SKIP_BLOCKS:SKIP_BLOCKS + KEY_BLOCKS])
             prev = held.setdefault(key, set())
             if prev and r["chosen"] not in prev and len(hs) > SKIP_BLOCKS + KEY_BLOCKS:

@@ -9,9 +9,11 @@ without Envoy, against fake idle vLLM workers (one process answers every worker'
   flight; p50) and the gateway's CPU per request (``/proc``, all its threads), for the
   gateway in approximate mode (its default), a no-op Python ext_proc server handling the
   same body (the design's floor), the no-op server taking each request's observing stream
-  too (the floor of the default configuration, which observes every response), and, with
-  ``--tokenizer``, exact mode (``--vllm-hash-seed 0``); prompts share a long prefix (a
-  document, then a tail of their own);
+  too (the floor of the default configuration, which observes every response), with
+  ``--routing-only`` the gateway without its observing stream, with ``--logged`` the gateway
+  recording every decision (``--decision-log``), and, with ``--tokenizer``, exact mode
+  (``--vllm-hash-seed 0``); prompts share a long prefix (a document, then a tail of their
+  own);
 * **streamed responses**: CPU per request against the response body messages each
   observing stream carries (``--response-chunks``), gateway and no-op floor;
 * **workers** (2 … 256) at ``--workers-kb``;
@@ -53,8 +55,8 @@ from extproc_throughput import Driver, cpu_seconds, wait_port
 HERE = Path(__file__).parent
 # The prompt sweep's servers: the no-op floor on the routing stream alone and with the
 # observing stream too, the gateway (approximate mode), without its observing stream, exact.
-KINDS = ["noop", "noop+observe", "approximate", "routing-only", "exact"]
-OBSERVED = {"noop+observe", "approximate", "exact"}
+KINDS = ["noop", "noop+observe", "approximate", "routing-only", "logged", "exact"]
+OBSERVED = {"noop+observe", "approximate", "logged", "exact"}
 MODEL = "m"
 
 
@@ -120,6 +122,8 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
     exact = ["--tokenizer", args.tokenizer, "--vllm-hash-seed", "0"] if kind == "exact" else []
     if kind == "routing-only":  # approximate, without the observing stream
         exact = ["--no-observe-responses"]
+    if kind == "logged":  # approximate, recording every decision and outcome
+        exact = ["--decision-log", str(procs.tmp / f"decisions-{gport}")]
     p = procs.spawn(f"{kind}-{gport}", [
         sys.executable, "-m", "cachepilot", "gateway", "--listen", f"127.0.0.1:{gport}",
         "--admin-port", str(aport), "--workers", ",".join(workers), "--engine", "vllm",
@@ -192,6 +196,7 @@ def interleaved(procs: Procs, workers: list[str], args: argparse.Namespace,
 def sweep_prompts(procs: Procs, workers: list[str], args: argparse.Namespace) -> list[dict]:
     kinds = (["noop", "noop+observe", "approximate"]
              + (["routing-only"] if args.routing_only else [])
+             + (["logged"] if args.logged else [])
              + (["exact"] if args.tokenizer else []))
     bodies = {kb: prompts(kb, 64) for kb in args.sizes}
 
@@ -314,6 +319,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json: exact mode too")
     ap.add_argument("--routing-only", action="store_true",
                     help="also approximate mode without the observing stream (what it costs)")
+    ap.add_argument("--logged", action="store_true",
+                    help="also approximate mode with a decision log (what recording costs)")
     ap.add_argument("--exact-max-kb", type=float, default=220)
     ap.add_argument("--response-chunks", default="1,16,128",
                     help="responses sweep: body messages per observed response")
@@ -381,13 +388,14 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
         lat = _median_by(rows, ("kb", "kind"), "p50_ms")
         cpu = _median_by(rows, ("kb", "kind"), "cpu_ms_per_request")
         floors = [("approximate", "noop"), ("approximate", "noop+observe"),
-                  ("routing-only", "noop")]
+                  ("routing-only", "noop"), ("logged", "approximate")]
         floors = [(a, b) for a, b in floors if a in kinds and b in kinds]
         lines += ["## Prompt size", "", "Routing answer p50 (ms) / gateway CPU per request "
                   "(ms). `noop`: the no-op server on the routing stream alone; `noop+observe`: "
                   "it also takes each request's observing stream (and answers nothing), as "
                   "the gateway's default configuration sends it; `routing-only`: the gateway "
-                  "without the observing stream. The ratios are CPU over CPU.", "",
+                  "without the observing stream; `logged`: the gateway recording every "
+                  "decision and outcome (`--decision-log`). The ratios are CPU over CPU.", "",
                   "| KB | " + " | ".join(kinds) + " | "
                   + " | ".join(f"{a} ÷ {b}" for a, b in floors) + " |",
                   "|---:|" + "---:|" * (len(kinds) + len(floors))]

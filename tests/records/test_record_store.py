@@ -21,8 +21,10 @@ from cachepilot.records.schema import (
     SCHEMA_VERSION,
     check_record,
     decision_to_record,
-    hash_int,
+    hash_hex,
+    hashes_hex,
     outcome_fields,
+    record_hashes,
 )
 from cachepilot.records.store import Store
 
@@ -53,7 +55,7 @@ def test_record_roundtrip_and_outcome_merge(tmp_path: Path) -> None:
     d3 = decisions[3]
     assert r3["schema_version"] == SCHEMA_VERSION
     assert r3["chosen"] == d3.chosen and r3["margin_ms"] == d3.margin_ms
-    assert [hash_int(h) for h in r3["hashes"]] == list(d3.hashes)
+    assert record_hashes(r3) == list(d3.hashes)
     assert len(r3["candidates"]) == 3 and r3["candidates"][0]["metrics"]["num_blocks"] == 2000
     assert r3["cost"]["prefill_ms_per_token"] == pool.spec.cost.prefill_ms_per_token
     out = r3["outcome"]
@@ -64,6 +66,20 @@ def test_record_roundtrip_and_outcome_merge(tmp_path: Path) -> None:
     assert log.get(decisions[4].id)["outcome"] is None
     assert log.get("nope") is None
     log.close()
+
+
+def test_hashes_one_string_and_the_old_list_read_alike() -> None:
+    """Schema 3 writes the hashes as one string of 16-digit groups; schemas 1 and 2 wrote a
+    list of them. Both read back as the same ints, the top bit and a wider int included."""
+    hashes = [0, 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF]
+    text = hashes_hex(hashes)
+    assert text == "".join(hash_hex(h) for h in hashes) and len(text) == 16 * len(hashes)
+    assert record_hashes({"hashes": text}) == hashes
+    assert record_hashes({"hashes": [hash_hex(h) for h in hashes]}) == hashes
+    assert hashes_hex([2**64 + 5]) == hash_hex(5)  # wider than 64 bits: masked, as before
+    assert hashes_hex([]) == "" and record_hashes({"hashes": ""}) == []
+    with pytest.raises(ValueError, match="16-digit"):
+        record_hashes({"id": "x", "hashes": "abc"})
 
 
 def test_gateway_calls_as_made_by_the_ext_proc_processor(tmp_path: Path) -> None:
@@ -116,6 +132,35 @@ def test_schema_version_checked() -> None:
     check_record(rec)
     with pytest.raises(ValueError, match="schema"):
         check_record({**rec, "schema_version": SCHEMA_VERSION + 1})
+
+
+def test_a_log_of_an_older_schema_is_written_on(tmp_path: Path) -> None:
+    """An upgraded gateway keeps its --decision-log: records of schema 2 (hashes as a list)
+    and new ones sit side by side and read alike; a log of a newer schema is refused."""
+    router, pool = make_router()
+    old, new = route(router, 2)
+    store = Store(tmp_path / "log")
+    rec = decision_to_record(old, pool=pool)
+    store.write([{**rec, "schema_version": 2, "hashes": [hash_hex(h) for h in old.hashes]}])
+    with store.env.begin(write=True) as txn:
+        txn.put(b"schema_version", b"2", db=store._meta)
+    store.close()
+    with Recorder(tmp_path / "log") as recorder:
+        assert recorder.decision(new, pool) and recorder.flush()
+    log = open_log(tmp_path / "log")
+    got = {r["id"]: r for r in log}
+    assert got[old.id]["schema_version"] == 2
+    assert got[new.id]["schema_version"] == SCHEMA_VERSION
+    assert record_hashes(got[old.id]) == list(old.hashes)
+    assert record_hashes(got[new.id]) == list(new.hashes)
+    log.close()
+    store = Store(tmp_path / "log")  # the writer marked the log with the newest schema
+    with store.env.begin(write=True) as txn:
+        assert txn.get(b"schema_version", db=store._meta) == str(SCHEMA_VERSION).encode()
+        txn.put(b"schema_version", str(SCHEMA_VERSION + 1).encode(), db=store._meta)
+    store.close()
+    with pytest.raises(ValueError, match="reads"):
+        Store(tmp_path / "log")
 
 
 def test_an_outcome_is_stored_as_what_it_says() -> None:

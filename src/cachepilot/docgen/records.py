@@ -47,8 +47,8 @@ TOP: dict[str, str] = {
     "tokens": "Prompt tokens (counted by the tokenizer, or estimated from bytes).",
     "blocks": "Full blocks of the prompt: the length of `hashes`.",
     "block_size": "Tokens per block.",
-    "hashes": "The prompt's chained block hashes, 16 hex digits each: the prefix without "
-              "its text.",
+    "hashes": "The prompt's chained block hashes, 16 hex digits each, one after another in "
+              "one string (schemas 1 and 2: a list of them): the prefix without its text.",
     "candidates": "Every worker as the decision priced it (table below), eligible or not.",
     "chosen": "The chosen worker's address.",
     "margin_ms": "How much better the chosen worker's value was than the runner-up's.",
@@ -214,7 +214,7 @@ def page(_root: Path) -> str:
 def _json(rec: dict[str, Any]) -> str:
 
     short = _rounded(rec)
-    short["hashes"] = [*rec["hashes"][:3], "…"]
+    short["hashes"] = rec["hashes"][:48] + "…"
     short["candidates"] = rec["candidates"][:1] + (["…"] if len(rec["candidates"]) > 1 else [])
     return json.dumps(short, indent=2, ensure_ascii=False)
 

@@ -277,7 +277,7 @@ class EnvoyStreams:
         if ex is None:
             return None
         if kind == "response_headers":
-            self._response_headers(ex, msg.response_headers)
+            self._response_started(ex, msg.response_headers)  # nobody reads an answer
         elif kind == "response_body":
             self.director.response_chunk(ex, msg.response_body.body,
                                          msg.response_body.end_of_stream)
@@ -311,6 +311,16 @@ class EnvoyStreams:
 
     # -- response (either stream) -------------------------------------------------------------
     def _response_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
+        """The routing stream's answer to the response headers: the decision id added."""
+        self._response_started(ex, msg)
+        d = ex.decision
+        if d is None:
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=header_mutation({DECISION_HEADER: d.id}))))
+
+    def _response_started(self, ex: Exchange, msg: ep.HttpHeaders) -> None:
+        """The response's status, the worker Envoy says answered, and Envoy's own error."""
         status = answered_by = error = None
         for h in msg.headers.headers:
             if h.key == ":status":
@@ -320,11 +330,6 @@ class EnvoyStreams:
             elif h.key == ERROR_HEADER:
                 error = header_value(h)
         self.director.response_started(ex, status, answered_by, error, msg.end_of_stream)
-        d = ex.decision
-        if d is None:
-            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-        return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=header_mutation({DECISION_HEADER: d.id}))))
 
 
 def _body_only_answer(s: RoutingStream, decision: Decision) -> list[ep.ProcessingResponse]:

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cachepilot.records.schema import record_hashes
+
 
 @dataclass(frozen=True)
 class Logged:
@@ -77,7 +79,7 @@ def diagnose(record: dict[str, Any], predicted_tokens: int, measured: int, worke
     engine's events: when the blocks it counted on (a false hit) or the first block the
     engine had (a missed hit) were announced, relative to the routing decision."""
     t = float(record["time"])
-    hashes = [int(h, 16) for h in record["hashes"]]
+    hashes = record_hashes(record)
     mine = [e for e in log if e.worker == worker]
 
     def last_before(h: int) -> Logged | None:

@@ -27,7 +27,7 @@ from cachepilot.core.fingerprint import BlockConfig, Fingerprint
 from cachepilot.core.policies import Policy, make_policy
 from cachepilot.core.pool import Pool, PoolSpec
 from cachepilot.core.router import Router
-from cachepilot.records.schema import hash_int, record_to_candidates
+from cachepilot.records.schema import record_hashes, record_to_candidates
 
 _COST_FIELDS = {f.name for f in fields(CostModel)}
 _WEIGHT_FIELDS = {f.name for f in fields(Weights)}
@@ -59,7 +59,7 @@ class Replayer:
             raise ValueError(f"record {record.get('id')} has schema "
                              f"{record.get('schema_version')}: replay needs the worker state "
                              "recorded since schema 2 (explain and stats still read it)")
-        hashes = tuple(hash_int(h) for h in record["hashes"])
+        hashes = tuple(record_hashes(record))
         weights = Weights(**{**{k: v for k, v in record["weights"].items()
                                 if k in _WEIGHT_FIELDS}, **self.weights})
         # Room for the whole prefix: inserting what a worker was matched on evicts nothing.

@@ -87,7 +87,11 @@ class Store:
             raise LogNotFoundError(f"{self.path} is not a decision log") from None
         with self.env.begin(write=create) as txn:
             version = txn.get(b"schema_version", db=self._meta)
-            if version is None and create:
+            if create and (version is None or (int(version) in READABLE_SCHEMAS
+                                               and int(version) < SCHEMA_VERSION)):
+                # New, or an older schema this code reads: every record names its own
+                # schema, so new records go beside the old ones, and the log now says the
+                # newest (an older cachepilot refuses it rather than misread new records).
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self._meta)
             elif version is not None and (
                     int(version) not in READABLE_SCHEMAS

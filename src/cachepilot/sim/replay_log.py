@@ -15,7 +15,7 @@ from typing import Any
 from cachepilot.core.cost import Weights
 from cachepilot.core.fingerprint import Fingerprint
 from cachepilot.records.replay import recorded_cost
-from cachepilot.records.schema import hash_int
+from cachepilot.records.schema import record_hashes
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.simulator import SimConfig, Simulator
 from cachepilot.sim.workloads import BLOCK, SimRequest
@@ -31,7 +31,7 @@ def arrivals(records: Iterable[Mapping[str, Any]]) -> tuple[list[Any], list[Mapp
     t0 = recs[0]["time"]
     out = []
     for i, rec in enumerate(recs):
-        fp = Fingerprint(tuple(hash_int(h) for h in rec["hashes"]), rec["tokens"],
+        fp = Fingerprint(tuple(record_hashes(rec)), rec["tokens"],
                          rec["block_size"])
         done = (rec.get("outcome") or {}).get("completion_tokens")
         out.append(SimRequest(id=i, arrival=rec["time"] - t0, segments=(),
