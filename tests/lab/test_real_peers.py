@@ -214,6 +214,41 @@ def test_a_report_is_rewritten_from_its_own_data(tmp_path: Path) -> None:
     assert "Traceback" not in bad.output
 
 
+def test_runs_on_other_seeds_are_pooled_into_one_report(tmp_path: Path) -> None:
+    """--pool: two runs of the same study on different seeds give one report over every
+    cell; runs that share a seed or differ in anything else are refused in one line."""
+    from click.testing import CliRunner
+
+    from cachepilot.cli import main
+
+    a, b = _data([0.5, 0.6, 0.7], 0.6), _data([0.9, 1.0, 0.8], 0.6)
+    for p in b["phases"]:
+        p["seed"] += 10
+    b["config"]["seeds"] = [21, 22, 23]
+    study_report.write_outputs(a, StudyOutput(tmp_path / "a", "cachepilot run-a"))
+    study_report.write_outputs(b, StudyOutput(tmp_path / "b", "cachepilot run-b"))
+    runner = CliRunner()
+    ok = runner.invoke(main, ["experiment", "real-peers", "--pool", str(tmp_path / "a"),
+                              "--pool", str(tmp_path / "b"), "--out", str(tmp_path / "ab")])
+    assert ok.exit_code == 0, ok.output
+    doc = orjson.loads((tmp_path / "ab" / "results.json").read_bytes())
+    assert doc["config"]["seeds"] == [11, 12, 13, 21, 22, 23]
+    assert doc["stats"]["shared"]["cells"] == 6
+    assert [r["command"] for r in doc["pooled_from"]] == ["cachepilot run-a", "cachepilot run-b"]
+    md = (tmp_path / "ab" / "report.md").read_text()
+    assert "Pooled from `cachepilot run-a`" in md and "× 6 seeds (11, 12, 13, 21, 22, 23)" in md
+    assert doc["command"].startswith("cachepilot experiment real-peers --pool ")
+    same = runner.invoke(main, ["experiment", "real-peers", "--pool", str(tmp_path / "a"),
+                                "--pool", str(tmp_path / "a"), "--out", str(tmp_path / "aa")])
+    assert same.exit_code == 1 and "seeds [11, 12, 13] are in an earlier run" in same.output
+    b["config"]["api"] = "completions"
+    study_report.write_outputs(b, StudyOutput(tmp_path / "b", "cachepilot run-b"))
+    other = runner.invoke(main, ["experiment", "real-peers", "--pool", str(tmp_path / "a"),
+                                 "--pool", str(tmp_path / "b"), "--out", str(tmp_path / "x")])
+    assert other.exit_code == 1 and "api differ" in other.output
+    assert "Traceback" not in same.output + other.output
+
+
 @pytest.mark.slow
 def test_tiny_real_study(tmp_path: Path) -> None:
     """Two routers (CachePilot, sglang-router) on two real llama-server workers, a few

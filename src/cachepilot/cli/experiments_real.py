@@ -62,10 +62,14 @@ def _joined(values: tuple[str, ...] | dict[str, Any]) -> str:
 @click.option("--rewrite-report", is_flag=True,
               help="Run nothing: rewrite OUT's report.md, results.json and plot from the "
                    "results.json and samples.json a run left there (its command kept).")
+@click.option("--pool", "pool_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="Run nothing: one report in OUT from two or more earlier runs' folders "
+                   "(the same study on different seeds; repeat the option).")
 @click.pass_context
 def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str], seeds: str,
                    engine: str, api: str, requests: int, rate: float | None, out_dir: str,
-                   log_dir: str | None, keep_predictor: bool, rewrite_report: bool) -> None:
+                   log_dir: str | None, keep_predictor: bool, rewrite_report: bool,
+                   pool_dirs: tuple[str, ...]) -> None:
     """CachePilot against sglang-router and vllm-router (PyPI) on the same real workers
     (llama.cpp or vLLM) and requests, paired by (workload, seed); fresh caches for every
     router's phase."""
@@ -73,6 +77,9 @@ def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str],
 
     if rewrite_report:
         _rewrite_real_peers(Path(out_dir))
+        return
+    if pool_dirs:
+        _pool_real_peers([Path(d) for d in pool_dirs], Path(out_dir))
         return
 
     if engine == "vllm":
@@ -100,12 +107,32 @@ def real_peers_cmd(ctx: click.Context, workloads: list[str], routers: list[str],
     except (RuntimeError, TimeoutError, OSError) as exc:
         raise stack_failed(exc, None) from None
     stats = write_outputs(data, output)
+    _echo_bars(stats)
+    click.echo(f"wrote {out / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
+
+
+def _echo_bars(stats: dict[str, Any]) -> None:
+    """The issue's bar per workload and measure, a line each."""
     for name, st in stats.items():
         for k, b in st["bar"].items():
             click.echo(f"{name:14s} {k:15s} CachePilot {b['ours']:.3f} vs {b['best_peer']} "
                        f"{b['theirs']:.3f}: {'holds' if b['means'] else 'misses'} on the "
                        f"means, {'no significant loss' if b['not_worse'] else 'LOSS'}")
-    click.echo(f"wrote {out / 'report.md'} in {data['wall_s'] / 60:.1f} min", err=True)
+
+
+def _read_real_peers(out: Path) -> dict[str, Any]:
+    """An earlier run's data as :func:`write_outputs` takes it (its command kept)."""
+    try:
+        results = orjson.loads((out / "results.json").read_bytes())
+        samples = orjson.loads((out / "samples.json").read_bytes())
+        data = {k: v for k, v in results.items() if k != "stats"}
+        missing = [k for k in ("command", "config", "phases", "workloads", "wall_s")
+                   if k not in data]
+        if missing:
+            raise KeyError(missing[0])
+        return {**data, "samples": samples}
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise click.ClickException(f"{out}: not a real-peers study's output ({exc})") from None
 
 
 def _rewrite_real_peers(out: Path) -> None:
@@ -113,14 +140,26 @@ def _rewrite_real_peers(out: Path) -> None:
     from cachepilot.lab.output import StudyOutput
     from cachepilot.lab.real_peers_report import write_outputs
 
-    try:
-        results = orjson.loads((out / "results.json").read_bytes())
-        samples = orjson.loads((out / "samples.json").read_bytes())
-        data = {k: v for k, v in results.items() if k not in ("command", "stats")}
-        write_outputs({**data, "samples": samples}, StudyOutput(out, results["command"]))
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
-        raise click.ClickException(f"{out}: not a real-peers study's output ({exc})") from None
+    data = _read_real_peers(out)
+    command = data.pop("command")
+    write_outputs(data, StudyOutput(out, command))
     click.echo(f"rewrote {out / 'report.md'}", err=True)
+
+
+def _pool_real_peers(runs: list[Path], out: Path) -> None:
+    """One report from several runs of the same study on different seeds."""
+    from cachepilot.lab.output import StudyOutput
+    from cachepilot.lab.real_peers_report import pool, write_outputs
+
+    try:
+        data = pool([(str(r), _read_real_peers(r)) for r in runs])
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    command = ("cachepilot experiment real-peers " + " ".join(f"--pool {r}" for r in runs)
+               + f" --out {out}")
+    stats = write_outputs(data, StudyOutput(out, command))
+    _echo_bars(stats)
+    click.echo(f"wrote {out / 'report.md'} from {len(runs)} runs", err=True)
 
 
 def seed_list(text: str, first: int = 11) -> tuple[int, ...]:

@@ -103,10 +103,13 @@ def command_line(ctx: click.Context, **resolved: Any) -> str:
         if not isinstance(p, click.Option) or p.name is None:
             continue
         value = resolved.get(p.name, ctx.params.get(p.name))
-        if value is None or value is False:
+        if value is None or value is False or (p.multiple and not value):
             continue
         if p.is_flag:
             argv.append(p.opts[0])
+        elif p.multiple:  # given once per value
+            for v in value:
+                argv += [p.opts[0], str(v)]
         elif isinstance(value, list | tuple):
             argv += [p.opts[0], ",".join(str(v) for v in value)]
         else:

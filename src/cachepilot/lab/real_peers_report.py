@@ -162,10 +162,14 @@ def report(data: dict[str, Any], stats: dict[str, Any], plot_name: str) -> str:
                "running through the study would" if cfg.get("keep_predictor") else
                "CachePilot's gateway starts every phase from the calibrated prior (its "
                "predictor's warm-up is longer than a phase)")
+    pooled = data.get("pooled_from") or []
+    runs = ("Pooled from " + "; ".join(f"`{r['command']}` ({r['out']})" for r in pooled)
+            + ": each cell is paired within its own run. ") if pooled else ""
     L = ["# CachePilot against sglang-router and vllm-router on real "
          f"{'vLLM' if vllm else 'llama.cpp'} workers ({api})", "",
-         f"{len(phases)} phases ({len(cfg['workloads'])} workloads × {len(cfg['seeds'])} seeds"
-         f" ({', '.join(map(str, cfg['seeds']))}) × {len(cfg['routers'])} routers), "
+         f"{runs}{len(phases)} phases ({len(cfg['workloads'])} workloads × "
+         f"{len(cfg['seeds'])} seeds ({', '.join(map(str, cfg['seeds']))}) × "
+         f"{len(cfg['routers'])} routers), "
          f"{cfg['requests']} requests each, {data['wall_s'] / 60:.1f} min wall. {workers}; "
          f"{learned}. "
          "Every router of a (workload, seed) cell serves the same requests at the same "
@@ -260,6 +264,33 @@ def plot(data: dict[str, Any], stats: dict[str, Any]) -> Figure:
             ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def pool(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Runs of one study on different seeds as one (``(folder, data)`` each, the data as
+    :func:`write_outputs` takes it): their phases and samples together, every cell still
+    paired within its own run, so more seeds narrow the intervals. ValueError when the runs
+    differ in anything but their seeds, or share a seed."""
+    if len(runs) < 2:
+        raise ValueError("pooling takes two runs or more")
+    first = runs[0][1]["config"]
+    seeds: list[int] = []
+    for out, data in runs:
+        cfg = data["config"]
+        differ = sorted(k for k in {*first, *cfg} - {"seeds"} if cfg.get(k) != first.get(k))
+        if differ:
+            raise ValueError(f"{out}: not the same study as {runs[0][0]} "
+                             f"({', '.join(differ)} differ)")
+        shared = set(seeds) & set(cfg["seeds"])
+        if shared:
+            raise ValueError(f"{out}: seeds {sorted(shared)} are in an earlier run too")
+        seeds += cfg["seeds"]
+    return {"config": {**first, "seeds": seeds},
+            "workloads": runs[0][1]["workloads"],
+            "phases": [p for _, d in runs for p in d["phases"]],
+            "samples": [x for _, d in runs for x in d["samples"]],
+            "wall_s": sum(d["wall_s"] for _, d in runs),
+            "pooled_from": [{"out": out, "command": d.get("command", "")} for out, d in runs]}
 
 
 def write_outputs(data: dict[str, Any], output: StudyOutput) -> dict[str, Any]:
