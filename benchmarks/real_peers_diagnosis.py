@@ -15,6 +15,12 @@ folder per phase) and print
 * **how long a held request waited after its worker freed**: from the last answer that ended
   on the worker it went to, before its dispatch, to the dispatch (what holding costs beyond
   the engine's own queue, where a peer's request waits instead);
+* **the engine's own prefill time** (llama.cpp workers: each worker's log prints every
+  request's prompt evaluation): the cold prefills (over ``COLD_TOKENS`` tokens evaluated)
+  under each router, how often the other worker was busy during them (on shared cores two
+  prefills at once slow each other), and the same prompt's prefill under CachePilot over
+  its prefill under each peer, paired by (workload, seed, tokens), for all of them and for
+  those that had the machine to themselves: what the engine, not the path, took longer;
 * with ``--samples`` (the study's ``samples.json``), **the same request through each router
   when both got the same cache outcome** (both cold: under a fifth of the prompt cached; both
   warm: over four fifths): CachePilot's TTFT minus the peer's, paired by (workload, seed,
@@ -34,10 +40,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from cachepilot.lab.stats import paired_ratio
 from cachepilot.records.schema import record_hashes
 from cachepilot.records.store import Store
+from cachepilot.tooling.llamacpp.timings import busy_share, request_timings
 
 SKIP_BLOCKS = 4  # the system prompt's blocks: every request shares them
+COLD_TOKENS = 400  # prompt tokens evaluated: a document's prefill, not a question's
+ALONE = 0.05  # the other workers busy for at most this share of a prefill: alone
 KEY_BLOCKS = 8  # the blocks after them that name the document
 
 
@@ -141,6 +151,53 @@ def release_gaps(cells: dict[str, list[dict[str, Any]]]) -> None:
           f"p90 {q[-1]:.0f} ms")
 
 
+def engine_prefills(root: Path) -> None:
+    # (workload, seed, tokens) -> router -> (prefill s, share of it the others were busy)
+    cold: dict[tuple[str, str, int], dict[str, tuple[float, float]]] = (
+        collections.defaultdict(dict))
+    for phase in sorted(root.iterdir()):
+        logs = sorted(phase.glob("llama-*.log"))
+        if not logs:
+            continue
+        workload, seed, router = phase.name.split("-", 2)
+        # Each log's first request is the stack's calibration, before the phase.
+        reqs = {log: request_timings(log.read_text(errors="replace"))[1:] for log in logs}
+        for log, mine in reqs.items():
+            others = [r for other, rs in reqs.items() if other != log for r in rs]
+            for t in mine:
+                if t.prompt_tokens > COLD_TOKENS and t.prefill_s > 0:
+                    cold[(workload, seed, t.prompt_tokens)][router] = (t.prefill_s,
+                                                                       busy_share(t, others))
+    if not cold:
+        return
+    routers = sorted({r for c in cold.values() for r in c}, key=lambda r: (r != "cachepilot", r))
+    print(f"\nThe engine's own cold prefills (over {COLD_TOKENS} tokens evaluated; llama-server's "
+          "logs): how often another worker was busy during them, and how long they took.\n")
+    print("| router | cold prefills | others busy during it (> 5 %) | mean busy share | "
+          f"prefill ms, alone (≤ {ALONE:.0%}) | prefill ms, others busy over half |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in routers:
+        v = [c[r] for c in cold.values() if r in c]
+        alone = [t for t, share in v if share <= ALONE]
+        shared = [t for t, share in v if share > 0.5]
+        print(f"| {r} | {len(v)} | {sum(s > ALONE for _, s in v) / len(v):.0%} | "
+              f"{statistics.mean(s for _, s in v):.2f} | "
+              + (f"{statistics.median(alone) * 1000:.0f} ({len(alone)})" if alone else "–")
+              + " | " + (f"{statistics.median(shared) * 1000:.0f} ({len(shared)})"
+                         if shared else "–") + " |")
+    print("\n| CachePilot ÷ | same prompt | prefill ratio [95 %] | both alone | ratio [95 %] |")
+    print("|---|---:|---:|---:|---:|")
+    for peer in routers[1:]:
+        both = [c for c in cold.values() if "cachepilot" in c and peer in c]
+        alone = [c for c in both if c["cachepilot"][1] <= ALONE and c[peer][1] <= ALONE]
+        cells = []
+        for group in (both, alone):
+            d = paired_ratio([c["cachepilot"][0] for c in group], [c[peer][0] for c in group])
+            cells += [str(d["n"]), "–" if d["n"] < 2 else
+                      f"{1 + d['rel']:.3f} [{1 + d['rel_lo']:.3f}, {1 + d['rel_hi']:.3f}]"]
+        print(f"| {peer} | " + " | ".join(cells) + " |")
+
+
 def same_outcome(samples: list[dict[str, Any]],
                  cells_by_phase: dict[str, list[dict[str, Any]]] | None = None) -> None:
     held = set()
@@ -185,6 +242,7 @@ def main() -> None:
     diversions(cells)
     dispatches(cells)
     release_gaps(cells)
+    engine_prefills(args.logs)
     if args.samples:
         same_outcome(json.loads(args.samples.read_text()), cells)
 
