@@ -29,6 +29,8 @@ folder per phase) and print
 
     python benchmarks/real_peers_diagnosis.py runs/real-peers-logs \
         --samples docs/results/real-peers/samples.json
+
+Several runs (on different seeds) together: name every run's logs and samples.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ ALONE = 0.05  # the other workers busy for at most this share of a prefill: alon
 KEY_BLOCKS = 8  # the blocks after them that name the document
 
 
-def phases(root: Path) -> dict[str, list[dict[str, Any]]]:
+def phases(roots: list[Path]) -> dict[str, list[dict[str, Any]]]:
     out = {}
-    for d in sorted(root.glob("*-cachepilot/decisions")):
+    for d in sorted(d for root in roots for d in root.glob("*-cachepilot/decisions")):
         out[d.parent.name] = sorted(Store(d, readonly=True), key=lambda r: r["time"])
     return out
 
@@ -151,11 +153,11 @@ def release_gaps(cells: dict[str, list[dict[str, Any]]]) -> None:
           f"p90 {q[-1]:.0f} ms")
 
 
-def engine_prefills(root: Path) -> None:
+def engine_prefills(roots: list[Path]) -> None:
     # (workload, seed, tokens) -> router -> (prefill s, share of it the others were busy)
     cold: dict[tuple[str, str, int], dict[str, tuple[float, float]]] = (
         collections.defaultdict(dict))
-    for phase in sorted(root.iterdir()):
+    for phase in sorted(p for root in roots for p in root.iterdir()):
         logs = sorted(phase.glob("llama-*.log"))
         if not logs:
             continue
@@ -198,13 +200,19 @@ def engine_prefills(root: Path) -> None:
         print(f"| {peer} | " + " | ".join(cells) + " |")
 
 
+def _held_ms(r: dict[str, Any]) -> float:
+    return (r.get("flow") or {}).get("held_ms", 0.0)
+
+
 def same_outcome(samples: list[dict[str, Any]],
                  cells_by_phase: dict[str, list[dict[str, Any]]] | None = None) -> None:
     held = set()
     for name, recs in (cells_by_phase or {}).items():
         workload, seed = name.split("-")[:2]
-        held |= {(workload, int(seed), r["seq"]) for r in recs
-                 if (r.get("flow") or {}).get("held_ms", 0.0) > 0.0}
+        # A request is numbered in arrival order; its record was made at dispatch (a held
+        # one after requests that arrived later), so arrival = decision time - time held.
+        arrived = sorted(recs, key=lambda r: r["time"] - _held_ms(r) / 1000.0)
+        held |= {(workload, int(seed), i) for i, r in enumerate(arrived) if _held_ms(r) > 0.0}
     cells: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     for x in samples:
         if x["ok"] and x["prompt_tokens"]:
@@ -230,13 +238,13 @@ def same_outcome(samples: list[dict[str, Any]],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("logs", type=Path, help="the study's --logs directory")
-    ap.add_argument("--samples", type=Path,
+    ap.add_argument("logs", type=Path, nargs="+", help="the study's --logs directory")
+    ap.add_argument("--samples", type=Path, action="append", default=[],
                     help="the study's samples.json: the same request through each router")
     args = ap.parse_args()
     cells = phases(args.logs)
     if not cells:
-        raise SystemExit(f"no *-cachepilot/decisions under {args.logs}")
+        raise SystemExit(f"no *-cachepilot/decisions under {' '.join(map(str, args.logs))}")
     print(f"{len(cells)} CachePilot phases, {sum(map(len, cells.values()))} decisions\n")
     bias(cells)
     diversions(cells)
@@ -244,7 +252,7 @@ def main() -> None:
     release_gaps(cells)
     engine_prefills(args.logs)
     if args.samples:
-        same_outcome(json.loads(args.samples.read_text()), cells)
+        same_outcome([x for f in args.samples for x in json.loads(f.read_text())], cells)
 
 
 if __name__ == "__main__":
