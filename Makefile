@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo up test test-all test-real-model real-peers real-peers-completions real-peers-vllm real-peers-vllm-chat cache-check bench experiment sim-studies e2e clean docs docs-serve
+.PHONY: demo up test test-all test-real-model real-peers real-peers-completions real-peers-pooled real-peers-vllm real-peers-vllm-chat cache-check bench experiment sim-studies e2e clean docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,17 +43,22 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 	$(BIN)/pip install --quiet -e '.[dev,llamacpp,peers]'
 	touch $@
 
-# CachePilot vs sglang-router and vllm-router on real workers, on evaluation seeds 216-220
-# (seeds 11-15 and 31-32 were used while developing; 201-205 were read before the
-# 2026-12-06 changes, 206-210 before the llama.cpp connection changes, 211-215 before the
-# 2026-12-07 ones). llama.cpp chat: ~30 min on 2 cores; completions about the same; vLLM:
-# add ~2 min to start its workers (the committed vLLM runs: REAL_PEERS_SEEDS=301-303
-# completions, 304-306 chat).
-REAL_PEERS_SEEDS ?= 216-220
+# CachePilot vs sglang-router and vllm-router on real workers. llama.cpp: evaluation seeds
+# 216-220 and 221-225, one run of five seeds each (seeds 11-15 and 31-32 were used while
+# developing; 201-205 were read before the 2026-12-06 changes, 206-210 before the llama.cpp
+# connection changes, 211-215 before the 2026-12-07 ones); each run writes its own folder,
+# real-peers-pooled puts the runs in one report per API. llama.cpp chat: ~30 min on 2 cores;
+# completions about the same; vLLM: add ~2 min to start its workers (the committed vLLM
+# runs: REAL_PEERS_SEEDS=301-303 completions, 304-306 chat).
+REAL_PEERS_SEEDS ?= 221-225
+REAL_PEERS_RUNS ?= 216-220 221-225
 real-peers: $(VENV)/.installed-peers
-	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api chat --out docs/results/real-peers --logs runs/real-peers-logs
+	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api chat --out docs/results/real-peers/$(REAL_PEERS_SEEDS) --logs runs/real-peers-$(REAL_PEERS_SEEDS)-logs
 real-peers-completions: $(VENV)/.installed-peers
-	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api completions --out docs/results/real-peers-completions --logs runs/real-peers-completions-logs
+	$(BIN)/cachepilot experiment real-peers --seeds $(REAL_PEERS_SEEDS) --api completions --out docs/results/real-peers-completions/$(REAL_PEERS_SEEDS) --logs runs/real-peers-completions-$(REAL_PEERS_SEEDS)-logs
+real-peers-pooled:
+	$(BIN)/cachepilot experiment real-peers $(foreach r,$(REAL_PEERS_RUNS),--pool docs/results/real-peers/$(r)) --out docs/results/real-peers
+	$(BIN)/cachepilot experiment real-peers $(foreach r,$(REAL_PEERS_RUNS),--pool docs/results/real-peers-completions/$(r)) --out docs/results/real-peers-completions
 real-peers-vllm: $(VENV)/.installed-peers vllm-model
 	CACHEPILOT_VLLM_VENV=$(VLLM_VENV) $(BIN)/cachepilot experiment real-peers --engine vllm --seeds $(REAL_PEERS_SEEDS) --api completions --out docs/results/real-peers-vllm --logs runs/real-peers-vllm-logs
 real-peers-vllm-chat: $(VENV)/.installed-peers vllm-model

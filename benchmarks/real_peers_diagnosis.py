@@ -27,10 +27,11 @@ folder per phase) and print
   request), for all such requests and for those CachePilot did not hold. Placement cannot
   explain a difference there: it is the path and the engine (and, when held, the hold).
 
-    python benchmarks/real_peers_diagnosis.py runs/real-peers-logs \
-        --samples docs/results/real-peers/samples.json
+    python benchmarks/real_peers_diagnosis.py runs/real-peers-221-225-logs \
+        --samples docs/results/real-peers/221-225/samples.json
 
-Several runs (on different seeds) together: name every run's logs and samples.
+Several runs (on different seeds) together: name every run's logs, and each run's samples
+with its own ``--samples``.
 """
 
 from __future__ import annotations
