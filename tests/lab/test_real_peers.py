@@ -246,7 +246,10 @@ def test_runs_on_other_seeds_are_pooled_into_one_report(tmp_path: Path) -> None:
     other = runner.invoke(main, ["experiment", "real-peers", "--pool", str(tmp_path / "a"),
                                  "--pool", str(tmp_path / "b"), "--out", str(tmp_path / "x")])
     assert other.exit_code == 1 and "api differ" in other.output
-    assert "Traceback" not in same.output + other.output
+    onto = runner.invoke(main, ["experiment", "real-peers", "--pool", str(tmp_path / "a"),
+                                "--pool", str(tmp_path / "ab"), "--out", str(tmp_path / "a")])
+    assert onto.exit_code == 1 and "would overwrite a run it reads" in onto.output
+    assert "Traceback" not in same.output + other.output + onto.output
 
 
 @pytest.mark.slow

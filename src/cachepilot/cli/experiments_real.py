@@ -151,6 +151,9 @@ def _pool_real_peers(runs: list[Path], out: Path) -> None:
     from cachepilot.lab.output import StudyOutput
     from cachepilot.lab.real_peers_report import pool, write_outputs
 
+    if out.resolve() in {r.resolve() for r in runs}:
+        raise click.ClickException(f"{out}: the pooled report would overwrite a run it reads; "
+                                   "give another --out")
     try:
         data = pool([(str(r), _read_real_peers(r)) for r in runs])
     except ValueError as exc:
