@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -36,8 +37,8 @@ from cachepilot.tooling.llamacpp.routers import ROUTERS, peers_installed
 from cachepilot.tooling.llamacpp.stack import LlamaStack
 from cachepilot.tooling.llamacpp.worker import LlamaCppMissing
 
-WORDS = ["the", "a", "cache", "prefix", "model", "token", "router", "gateway", "engine",
-         "block", "hash", "of", "and", "to"]
+sys.path.insert(0, str(Path(__file__).parent))
+from llama_scrape_interference import WORDS  # the same cold prompts' words
 
 
 def phase(router: str, prompts: list[str]) -> list[tuple[float, float]]:

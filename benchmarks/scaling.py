@@ -119,15 +119,16 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
         return p, [port]
     gport = free_port_run(processes + (processes > 1))
     aport = free_port_run(processes)
-    exact = ["--tokenizer", args.tokenizer, "--vllm-hash-seed", "0"] if kind == "exact" else []
-    if kind == "routing-only":  # approximate, without the observing stream
-        exact = ["--no-observe-responses"]
-    if kind == "logged":  # approximate, recording every decision and outcome
-        exact = ["--decision-log", str(procs.tmp / f"decisions-{gport}")]
+    # Each kind's flags over approximate mode: without the observing stream, recording every
+    # decision and outcome, exact.
+    extra = {"routing-only": ["--no-observe-responses"],
+             "logged": ["--decision-log", str(procs.tmp / f"decisions-{gport}")],
+             "exact": ["--tokenizer", str(args.tokenizer), "--vllm-hash-seed", "0"],
+             }.get(kind, [])
     p = procs.spawn(f"{kind}-{gport}", [
         sys.executable, "-m", "cachepilot", "gateway", "--listen", f"127.0.0.1:{gport}",
         "--admin-port", str(aport), "--workers", ",".join(workers), "--engine", "vllm",
-        "--processes", str(processes), *exact])
+        "--processes", str(processes), *extra])
     wait_http_ok([f"http://127.0.0.1:{aport + i}/readyz" for i in range(processes)],
                  timeout_s=90, hint=f"; logs in {procs.tmp}")
     ports = [gport] if processes == 1 else [gport + 1 + i for i in range(processes)]

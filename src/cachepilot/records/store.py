@@ -93,9 +93,7 @@ class Store:
                 # schema, so new records go beside the old ones, and the log now says the
                 # newest (an older cachepilot refuses it rather than misread new records).
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=self._meta)
-            elif version is not None and (
-                    int(version) not in READABLE_SCHEMAS
-                    or (create and int(version) != SCHEMA_VERSION)):
+            elif version is not None and int(version) not in READABLE_SCHEMAS:
                 raise ValueError(f"{self.path}: decision log schema {int(version)}; this "
                                  f"cachepilot writes {SCHEMA_VERSION} and reads "
                                  f"{', '.join(map(str, READABLE_SCHEMAS))}")
