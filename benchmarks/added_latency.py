@@ -13,7 +13,8 @@ one run, interleaved request by request (so machine noise lands on every path al
   ``headers`` (today's, but the routing stream gets a headers message before the body: two
   round trips, the default until the body-only answer), ``streamed`` (today's, but the
   request body STREAMED), ``sync-observe`` (today's, but the response answered in turn),
-  ``observe-late`` (the observing stream starts at the response headers),
+  ``observe-late`` (the observing stream starts at the response headers), ``observe-whole``
+  (the observing stream reads the whole response, no access log: before 2026-12-07),
   ``no-observe`` (routing only), ``no-log`` (no decision log), ``flow-off`` (flow control
   off and no flow headers forwarded: as before issue 25), ``flow-no-headers`` (flow control
   on, no flow headers forwarded: the gateway's share of its cost), ``uvloop`` (the gateway on
@@ -276,6 +277,8 @@ def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
         "no-observe": (("--no-observe-responses",), {"observe_responses": False}, {}),
         "no-log": ((), {}, {"log": False}), "uvloop": ((), {}, {"uvloop": True}),
         "observe-late": ((), {"observe_request_headers": False}, {}),
+        # The observing stream reads the whole response (no access log): before 2026-12-07.
+        "observe-whole": ((), {"observe_until_first_token": False}, {}),
         "streamed": ((), {"request_body_mode": "STREAMED"}, {}),
         "headers": ((), {"send_request_headers": True}, {}),
         "before": ((), {"request_body_mode": "STREAMED", "observe_async": False}, {}),
@@ -384,7 +387,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0, help="open loop: requests/s per path")
     ap.add_argument("--paths", default="direct,envoy,sglang,vllm,cachepilot")
     ap.add_argument("--variants", default="",
-                    help="before,streamed,sync-observe,observe-late,no-observe,no-log,flow-off,flow-no-headers,"
+                    help="before,streamed,sync-observe,observe-late,observe-whole,no-observe,"
+                         "no-log,flow-off,flow-no-headers,"
                          "uvloop,"
                          "noop,noop-streamed,noop-uvloop,noop-sync")
     ap.add_argument("--json", default=None, help="also write the figures here")

@@ -1,7 +1,9 @@
 import subprocess
 
 import pytest
+from click.testing import CliRunner
 
+from cachepilot.cli import main as cli
 from cachepilot.deploy.envoy import EnvoyOptions, EppEnvoyOptions, render
 from cachepilot.deploy.envoy import bootstrap as build_bootstrap
 from cachepilot.tooling.stack import envoy_binary
@@ -66,7 +68,7 @@ def test_shape_of_the_bootstrap() -> None:
     assert mode["request_header_mode"] == "SKIP"
     routing = chat["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
     assert routing["grpc_initial_metadata"] == [
-        {"key": "x-cachepilot-observe", "value": "async"},
+        {"key": "x-cachepilot-observe", "value": "first-token"},
         {"key": "x-cachepilot-body", "value": "only"},
         {"key": "x-cachepilot-path", "value": "/v1/chat/completions"}]
     assert chat["match"]["dynamic_metadata"][0]["filter"] == "envoy.lb"
@@ -79,10 +81,19 @@ def test_shape_of_the_bootstrap() -> None:
     observe = chat["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
     assert observe["processing_mode"]["response_body_mode"] == "STREAMED"
     assert observe["processing_mode"]["request_header_mode"] == "SEND"  # the decision id
+    # The observing stream ends at the first token; the access log reports the end.
+    assert {"key": "x-cachepilot-observe", "value": "first-token"} in observe[
+        "grpc_initial_metadata"]
     names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
-    # The buffer filter holds the headers until the body is routed.
+    # The buffer filter holds the headers until the body is routed; the Lua filter, which
+    # the response passes first, reads the usage at its end.
     assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
-                     "cachepilot.observe", "envoy.filters.http.router"]
+                     "cachepilot.observe", "envoy.filters.http.lua", "envoy.filters.http.router"]
+    [access_log] = hcm["typed_config"]["access_log"]
+    assert access_log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"][
+        "cluster_name"] == "cachepilot_ext_proc"
+    assert access_log["filter"]["metadata_filter"]["matcher"]["path"] == [
+        {"key": "x-cachepilot-decision-id"}]  # only what the gateway routed
     observer = hcm["typed_config"]["http_filters"][2]["typed_config"]
     assert observer["observability_mode"] is True and observer["failure_mode_allow"] is True
     assert observer["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb"]
@@ -121,6 +132,19 @@ def test_observation_modes() -> None:
     names, mode, added = shape(EnvoyOptions())
     assert "cachepilot.observe" in names and mode["response_header_mode"] == "SKIP"
     assert "x-cachepilot-decision-id" in added  # Envoy adds it: the gateway answers nothing
+    assert "envoy.filters.http.lua" in names
+    # Reading the whole response instead: no usage filter, no access log.
+    o = EnvoyOptions(observe_until_first_token=False)
+    names, mode, added = shape(o)
+    assert "cachepilot.observe" in names and "envoy.filters.http.lua" not in names
+    hcm = build_bootstrap(o)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][-1]["typed_config"]
+    assert "access_log" not in hcm
+    # The command line's way to it.
+    res = CliRunner().invoke(cli, ["envoy-config", "--observe-until", "end"])
+    assert res.exit_code == 0 and "lua" not in res.output and "first-token" not in res.output
+    res = CliRunner().invoke(cli, ["envoy-config"])
+    assert res.exit_code == 0 and "envoy.filters.http.lua" in res.output
 
 
 def test_fail_open_without_fallback_is_refused() -> None:
@@ -176,6 +200,12 @@ def test_each_process_observes_what_it_routed() -> None:
             observe = r["typed_per_filter_config"]["cachepilot.observe"]["overrides"]
             assert observe["grpc_service"]["envoy_grpc"]["cluster_name"] == \
                 f"cachepilot_ext_proc_p{k}"
+    # Each process's access log gets the entries of the requests it routed.
+    logs = hcm["typed_config"]["access_log"]
+    assert [a["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+            for a in logs] == ["cachepilot_ext_proc_p0", "cachepilot_ext_proc_p1"]
+    assert [a["filter"]["metadata_filter"]["matcher"]["value"]["string_match"] for a in logs] \
+        == [{"prefix": "p0."}, {"prefix": "p1."}]
 
 
 @pytest.mark.parametrize("opts", [

@@ -295,3 +295,39 @@ def _recorded_with_outcome(stack: LocalStack, decision_id: str) -> dict | None:
     r = httpx.get(f"{stack.admin_url}/decisions/{decision_id}", timeout=10)
     body = r.json() if r.status_code == 200 else None
     return body if body and (body.get("record") or {}).get("outcome") else None
+
+
+def test_a_long_answer_costs_a_handful_of_observed_messages(tmp_path) -> None:
+    """The observing stream ends at the first token; Envoy's access log brings the end, the
+    status and the usage its Lua filter read, whatever the answer's length."""
+    log = tmp_path / "decisions"
+    with LocalStack(StackConfig(workers=2, speed=4.0, decision_log=str(log))) as stack:
+
+        def observed() -> dict[str, int]:
+            text = httpx.get(f"http://127.0.0.1:{stack.envoy_admin_port}/stats", timeout=5).text
+            pairs = (line.split(": ") for line in text.splitlines() if ": " in line)
+            return {k: int(v) for k, v in pairs if v.isdigit() and (
+                "ext_proc.observe." in k or "grpc_access_log" in k)}
+
+        before = observed()
+        ids = []
+        with httpx.Client(base_url=stack.url, timeout=30) as c:
+            for i in range(3):
+                body = chat(f"q{i}", max_tokens=120, stream=True,
+                            stream_options={"include_usage": True})
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    ids.append(r.headers["x-cachepilot-decision-id"])
+                    assert r.read().count(b"data:") > 120  # one event per token, and more
+        recs = [until(lambda i=i: _recorded_with_outcome(stack, i), what="outcome")
+                for i in ids]
+        after = observed()
+    sent = (after["http.cachepilot.ext_proc.observe.stream_msgs_sent"]
+            - before.get("http.cachepilot.ext_proc.observe.stream_msgs_sent", 0))
+    assert sent <= 3 * 3  # request headers, response headers, the first token
+    assert after["access_logs.grpc_access_log.logs_written"] >= 3
+    for rec in recs:
+        out = rec["record"]["outcome"]
+        assert out["status"] == 200 and not out["aborted"] and out["ttft_kind"] == "first_token"
+        assert out["completion_tokens"] == 120  # read at the end, by Envoy
+    assert recs[-1]["record"]["outcome"]["cached_tokens"] > 0  # the shared system prompt

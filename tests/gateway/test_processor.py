@@ -1,5 +1,7 @@
 """Our Envoy streams over the director, driven with Envoy-shaped messages, no network."""
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -7,8 +9,9 @@ from cachepilot.core import WorkerMetrics
 from cachepilot.gateway.director import GatewayOptions, Phase
 from cachepilot.gateway.envoy_streams import RoutingStream
 from cachepilot.gateway.protocol import DECISION_HEADER, DESTINATION_HEADER, WORKER_HEADER
+from cachepilot.gateway.service import ExtProcServicer
 
-from helpers.extproc_msgs import body, headers, set_headers
+from helpers.extproc_msgs import access_log_entry, body, headers, set_headers
 from helpers.gateway_box import Box
 from helpers.routers import WORKERS
 
@@ -129,10 +132,6 @@ def test_get_models_passes_through_to_a_ready_worker(proc: Box) -> None:
 @pytest.mark.parametrize("protocol", ["cachepilot", "epp"])
 def test_a_bug_in_routing_costs_one_request_not_the_gateway(proc: Box, monkeypatch,
                                                              protocol: str) -> None:
-    import asyncio
-
-    from cachepilot.gateway.service import ExtProcServicer
-
     proc.options.protocol = protocol  # a stream without gRPC context: either way
 
     def boom(*a, **k):
@@ -211,6 +210,114 @@ def test_a_request_no_observing_stream_takes_over_is_released_later() -> None:
     # An observing stream for an unknown or finished decision observes nothing.
     assert p.observe(None, headers("/v1/chat/completions",
                                    **{DECISION_HEADER: s.ex.decision.id})) is None
+
+
+def _first_token_exchange(p: Box):
+    """A request routed on a stream Envoy's default config opened (observed until the first
+    token), its routing stream ended, its observing stream bound."""
+    s, _ = exchange(p, chat(stream=True))
+    s.observe = "first-token"
+    p.streams._routed(s, s.ex.decision)  # what routing a first-token stream registers
+    p.streams.routing_ended(s)
+    d = s.ex.decision
+    obs = p.observe(None, headers("/v1/chat/completions", **{DECISION_HEADER: d.id}))
+    assert obs is s.ex
+    return s, d, p.router.pools["default"].workers[d.chosen]
+
+
+def test_observed_until_the_first_token_the_access_log_ends_the_request(proc) -> None:
+    s, d, w = _first_token_exchange(proc)
+    proc.observe(s.ex, headers("", response=True, **{WORKER_HEADER: d.chosen}))
+    proc.observe(s.ex, body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
+                            response=True))
+    assert w.pending_prefill_tokens == 0 and s.ex.first_token_s is not None
+    proc.streams.observing_ended(s.ex)  # the gateway closed it at the first token
+    assert w.inflight == 1 and not s.ex.done  # the answer is still streaming
+    proc.streams.logged(access_log_entry(d.id, upstream=d.chosen,
+                                         usage={"cached_tokens": 64, "completion_tokens": 9}))
+    assert w.inflight == 0 and s.ex.done
+    out = proc.sink.outcomes[d.id]
+    assert out["cached_tokens"] == 64 and out["completion_tokens"] == 9
+    assert out["status"] == 200 and not out["aborted"] and out["ttft_kind"] == "first_token"
+    assert not proc.streams.handover.unlogged and not proc.streams.handover.live
+    proc.streams.logged(access_log_entry(d.id))  # a repeated entry changes nothing
+    assert proc.sink.outcomes[d.id]["cached_tokens"] == 64
+
+
+def test_an_access_log_entry_before_the_observing_stream_ends_the_request(proc) -> None:
+    # The entry names the decision in the logged request headers (Envoy's config with a
+    # headers message); the observing stream, processed later, finds nothing left to do.
+    s, _ = exchange(proc, chat())
+    s.observe = "first-token"
+    proc.streams._routed(s, s.ex.decision)
+    proc.streams.routing_ended(s)
+    d = s.ex.decision
+    proc.streams.logged(access_log_entry(d.id, status=503, by_metadata=False))
+    assert s.ex.done and proc.sink.outcomes[d.id]["status"] == 503
+    assert proc.observe(None, headers("/v1/chat/completions", **{DECISION_HEADER: d.id})) is None
+    assert not proc.streams.handover.unobserved and not proc.streams.handover.unlogged
+
+
+def test_a_client_gone_mid_answer_is_logged_as_aborted(proc) -> None:
+    s, d, w = _first_token_exchange(proc)
+    proc.observe(s.ex, headers("", response=True))
+    proc.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
+    proc.streams.observing_ended(s.ex)
+    proc.streams.logged(access_log_entry(d.id, downstream_connection_termination=True))
+    assert proc.sink.outcomes[d.id]["aborted"] and w.inflight == 0
+
+
+def test_before_the_first_token_the_observing_streams_end_still_releases(proc) -> None:
+    # Envoy ends the observing stream with the request: no first token, nothing to wait for.
+    s, d, w = _first_token_exchange(proc)
+    proc.streams.observing_ended(s.ex)
+    assert w.inflight == 0 and proc.sink.outcomes[d.id]["aborted"]
+
+
+def test_a_request_whose_access_log_entry_never_comes_is_released_later() -> None:
+    now = [100.0]
+    p = Box(clock=lambda: now[0], options=GatewayOptions(unlogged_after_s=60.0))
+    s, d, w = _first_token_exchange(p)
+    p.observe(s.ex, headers("", response=True))
+    p.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
+    p.streams.observing_ended(s.ex)
+    p.streams.sweep(150.0)
+    assert w.inflight == 1
+    p.streams.sweep(161.0)
+    assert w.inflight == 0 and p.sink.outcomes[d.id]["aborted"]
+    assert not p.streams.handover.unlogged
+
+
+def test_the_servicer_closes_an_observing_stream_at_the_first_token(proc) -> None:
+    s, _ = exchange(proc, chat(stream=True))
+    s.observe = "first-token"
+    proc.streams._routed(s, s.ex.decision)
+    proc.streams.routing_ended(s)
+    d = s.ex.decision
+    sent = [headers("/v1/chat/completions", **{DECISION_HEADER: d.id}),
+            headers("", response=True),
+            *[body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', eos=False,
+                   response=True) for _ in range(5)]]
+    read = []
+
+    async def stream():
+        for m in sent:
+            read.append(m)
+            yield m
+
+    class Context:
+        def invocation_metadata(self):
+            return (("x-cachepilot-role", "observe"), ("x-cachepilot-observe", "first-token"))
+
+    servicer = ExtProcServicer(proc.director)
+    servicer.streams = proc.streams  # the streams that routed it
+
+    async def run():
+        return [r async for r in servicer.Process(stream(), Context())]
+
+    assert asyncio.run(run()) == []
+    assert len(read) == 3  # headers, response headers, the first token: then it closed
+    assert not s.ex.done and d.id in proc.streams.handover.unlogged
 
 
 def test_a_buffered_body_is_routed_by_the_answer_to_the_body(proc) -> None:

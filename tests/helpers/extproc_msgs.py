@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from envoy.config.core.v3 import base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 
@@ -26,3 +27,27 @@ def set_headers(resp: ep.ProcessingResponse) -> dict[str, str]:
     kind = resp.WhichOneof("response")
     common = getattr(resp, kind).response
     return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def access_log_entry(decision_id: str, status: int = 200, upstream: str = "",
+                     usage: dict[str, int] | None = None, by_metadata: bool = True,
+                     **flags: bool) -> al.HTTPAccessLogEntry:
+    """Envoy's access log entry at a request's end: the decision id in envoy.lb metadata (a
+    body-only routing answer's) or in the logged request headers, the usage its Lua filter
+    read, the worker, the response flags (``downstream_connection_termination=True``, …)."""
+    common = al.AccessLogCommon(response_flags=al.ResponseFlags(**flags))
+    if by_metadata:
+        common.metadata.filter_metadata["envoy.lb"].update(
+            {"x-cachepilot-decision-id": decision_id})
+    if usage:
+        common.metadata.filter_metadata["cachepilot.usage"].update(usage)
+    if upstream:
+        host, port = upstream.rsplit(":", 1)
+        common.upstream_remote_address.socket_address.address = host
+        common.upstream_remote_address.socket_address.port_value = int(port)
+    entry = al.HTTPAccessLogEntry(common_properties=common)
+    if not by_metadata:
+        entry.request.request_headers["x-cachepilot-decision-id"] = decision_id
+    if status:
+        entry.response.response_code.value = status
+    return entry

@@ -372,6 +372,12 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
 @click.option("--fallback", default="", help="host:port,… for fail-open (round robin).")
 @click.option("--observe-responses/--no-observe-responses", default=True, show_default=True,
               help="Stream response bodies through the gateway (measured TTFT, cached tokens).")
+@click.option("--observe-until", type=click.Choice(["first-token", "end"]),
+              default="first-token", show_default=True,
+              help="first-token: the gateway closes a response's observing stream at its first "
+                   "token, and Envoy's access log reports the end, with the usage a Lua filter "
+                   "reads from the answer's last bytes. end: every response message goes to "
+                   "the gateway (~40 µs of its CPU each: one per streamed token).")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
 @click.option("--worker-requests-per-connection", type=click.IntRange(min=0), default=0,
               show_default=True,
@@ -395,6 +401,7 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
 def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext_proc: str,
                      ext_proc_processes: int,
                      fail_open: bool, fallback: str, observe_responses: bool,
+                     observe_until: str,
                      max_body_bytes: int, worker_requests_per_connection: int, fmt: str,
                      epp: bool, workers: str, subset_from_header: bool,
                      output: str | None) -> None:
@@ -426,6 +433,7 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                             fail_open=fail_open,
                             fallback_workers=tuple(x for x in fallback.split(",") if x),
                             observe_responses=observe_responses, max_body_bytes=max_body_bytes,
+                            observe_until_first_token=observe_until == "first-token",
                             ext_proc_processes=ext_proc_processes,
                             worker_requests_per_connection=worker_requests_per_connection)
     except ValueError as exc:

@@ -60,6 +60,10 @@ class GatewayOptions:
     # observe_request_headers off the stream starts at the first byte: set this above Envoy's
     # first-byte timeout then.
     unobserved_after_s: float = 10.0
+    # Observing until the first token (Envoy's default config): a routed request whose end
+    # Envoy's access log has not reported after this long never gets it (the log stream was
+    # down, or Envoy dropped the entry): released as aborted. Longer than any answer.
+    unlogged_after_s: float = 3600.0
     # Which ext_proc protocol a stream speaks: "cachepilot" (Envoy configured by the
     # gateway's bootstrap), "epp" (the endpoint picker protocol, any gateway), or "auto": a
     # stream whose gRPC metadata has an x-cachepilot-* key is ours, others EPP.
@@ -354,6 +358,24 @@ class Director:
         ex.tail = window[-_TAIL:]
         if end_of_stream:
             self.finish(ex)
+
+    def logged_end(self, ex: Exchange, *, status: int | None, answered_by: str | None,
+                   cached_tokens: int | None, completion_tokens: int | None,
+                   aborted: bool) -> None:
+        """The response's end as Envoy's access log reports it (its observing stream stopped
+        at the first token): its status, who answered, the usage Envoy read from its end."""
+        if ex.done or ex.decision is None:
+            return
+        if ex.phase is not Phase.RESPONDING and status:  # the log came before the headers
+            self.response_started(ex, str(status), answered_by, None, False)
+        if status:  # 0: Envoy got no response to log
+            ex.status = status
+        ex.answered_by = answered_by or ex.answered_by
+        if cached_tokens is not None:
+            ex.cached_tokens = cached_tokens
+        if completion_tokens is not None:
+            ex.completion_tokens = completion_tokens
+        self.finish(ex, aborted=aborted)
 
     def finish(self, ex: Exchange, aborted: bool = False) -> None:
         """Release the worker once and report the outcome (the lifecycle's end)."""

@@ -16,6 +16,13 @@ names the decision (forwarded ``envoy.lb`` metadata, or a header); the :class:`H
 gives it the routed exchange, whose response it then feeds to the director. A routed
 exchange no observing stream takes over within ``unobserved_after_s`` is released as
 aborted (:meth:`Handover.sweep`).
+
+Observing until the first token (``x-cachepilot-observe: first-token``, Envoy's default
+config): the gateway closes the observing stream once the first token has come (Envoy then
+sends it nothing more; grpc.aio costs ~40 µs a message, and a streamed answer is one message
+per event), and Envoy's access log entry, at the response's end, ends the exchange with its
+status and the usage Envoy's Lua filter read (:meth:`EnvoyStreams.logged`). One whose entry
+has not come within ``unlogged_after_s`` is released as aborted.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from cachepilot.core.decision import Decision
@@ -45,6 +53,9 @@ from cachepilot.gateway.protocol import (
     DECISION_KEY,
     DESTINATION_HEADER,
     ERROR_HEADER,
+    FIRST_TOKEN,
+    LB_METADATA_NAMESPACE,
+    USAGE_NAMESPACE,
     WORKER_HEADER,
     attribute_headers,
     fallback_list,
@@ -70,7 +81,8 @@ class RoutingStream:
     ex: Exchange = field(default_factory=Exchange)
     buffered: bool = False  # the body comes whole, after the headers' (immediate) answer
     body_only: bool = False  # no headers message: the whole body is the stream's first
-    observe: str = ""  # "async", "sync" or "off", as Envoy's config says ("": the default)
+    # "async", "first-token", "sync" or "off", as Envoy's config says ("": the default)
+    observe: str = ""
     sees_response: bool = False  # the response came on this stream
     body: bytearray = field(default_factory=bytearray)
     chunks: int = 0  # request body messages not yet answered
@@ -84,9 +96,22 @@ class Handover:
     def __init__(self) -> None:
         self.live: dict[str, Exchange] = {}
         self.unobserved: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
+        # Exchanges Envoy's access log ends (observed until the first token), by decision id,
+        # oldest first, with when they were routed.
+        self.unlogged: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
 
-    def expect(self, d: Decision, ex: Exchange) -> None:
+    def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False) -> None:
         self.live[d.id] = ex
+        if logged:
+            self.unlogged[d.id] = (ex, now)
+
+    def logged(self, decision_id: str) -> Exchange | None:
+        """The exchange whose access log entry this is (forgotten here), if it awaits one."""
+        ex = self.unlogged.pop(decision_id, (None, 0.0))[0]
+        if ex is not None:  # the entry came before its observing stream: none will
+            self.live.pop(decision_id, None)
+            self.unobserved.pop(decision_id, None)
+        return ex
 
     def park(self, d: Decision, ex: Exchange, now: float) -> None:
         """The routing stream ended first: wait for the observing stream."""
@@ -101,19 +126,35 @@ class Handover:
     def forget(self, d: Decision) -> None:
         self.live.pop(d.id, None)
         self.unobserved.pop(d.id, None)
+        self.unlogged.pop(d.id, None)
 
     def sweep(self, now: float, after_s: float) -> list[Exchange]:
         """Exchanges parked longer than ``after_s`` (forgotten here; the caller ends them)."""
         out = []
-        while self.unobserved:
-            decision_id, (ex, since) = next(iter(self.unobserved.items()))
-            if now - since < after_s:
-                break
-            self.unobserved.popitem(last=False)
+        for decision_id, ex in _older(self.unobserved, now, after_s):
             self.live.pop(decision_id, None)
+            self.unlogged.pop(decision_id, None)
             if not ex.done:
                 out.append(ex)
         return out
+
+    def sweep_unlogged(self, now: float, after_s: float) -> list[Exchange]:
+        """Exchanges whose access log entry has not come within ``after_s`` of routing (the
+        finished ones forgotten too; the caller ends the others)."""
+        return [ex for _, ex in _older(self.unlogged, now, after_s) if not ex.done]
+
+
+def _older(parked: OrderedDict[str, tuple[Exchange, float]], now: float, after_s: float
+           ) -> list[tuple[str, Exchange]]:
+    """Take the entries of ``parked`` (oldest first) that have waited ``after_s``."""
+    out = []
+    while parked:
+        decision_id, (ex, since) = next(iter(parked.items()))
+        if now - since < after_s:
+            break
+        parked.popitem(last=False)
+        out.append((decision_id, ex))
+    return out
 
 
 class EnvoyStreams:
@@ -235,9 +276,10 @@ class EnvoyStreams:
     def _routed(self, s: RoutingStream, decision: Decision) -> None:
         """A routed exchange: its observing stream will take it over."""
         opts = self.options
-        if s.observe == "async" or (not s.observe and opts.observe_responses
-                                    and opts.observe_async):
-            self.handover.expect(decision, s.ex)
+        if s.observe in ("async", FIRST_TOKEN) or (not s.observe and opts.observe_responses
+                                                   and opts.observe_async):
+            self.handover.expect(decision, s.ex, self.director.clock(),
+                                 logged=s.observe == FIRST_TOKEN)
             self.sweep(s.ex.started)  # also here: the stall watch may be off
 
     def _answer(self, s: RoutingStream, routed: Decision | Ticket | Turn,
@@ -284,9 +326,41 @@ class EnvoyStreams:
         return ex
 
     def observing_ended(self, ex: Exchange | None) -> None:
-        """An observing stream closed: its request is over, however it ended."""
-        if ex is not None:
-            self.director.finish(ex, aborted=True)
+        """An observing stream closed: its request is over, however it ended; unless the
+        gateway closed it at the first token, and Envoy's access log will say how it ended."""
+        if ex is None or ex.done:
+            return
+        d = ex.decision
+        if d is not None and ex.first_token_s is not None and d.id in self.handover.unlogged:
+            return
+        self.director.finish(ex, aborted=True)
+
+    def logged(self, entry: al.HTTPAccessLogEntry) -> None:
+        """Envoy's access log entry for a request, at its end: ends the exchange it names
+        (observed until the first token) with the response's status, the worker that
+        answered and the usage Envoy's Lua filter read from the answer's end."""
+        common = entry.common_properties
+        meta = common.metadata.filter_metadata
+        decision_id = None
+        if LB_METADATA_NAMESPACE in meta:
+            field = meta[LB_METADATA_NAMESPACE].fields.get(DECISION_KEY)
+            decision_id = field.string_value if field is not None else None
+        decision_id = decision_id or entry.request.request_headers.get(DECISION_HEADER)
+        ex = self.handover.logged(decision_id) if decision_id else None
+        if ex is None:
+            return
+        usage = meta[USAGE_NAMESPACE].fields if USAGE_NAMESPACE in meta else {}
+        upstream = common.upstream_remote_address.socket_address
+
+        def count(key: str) -> int | None:
+            v = usage.get(key)
+            return None if v is None else int(v.number_value)
+
+        self.director.logged_end(
+            ex, status=entry.response.response_code.value or None,
+            answered_by=f"{upstream.address}:{upstream.port_value}" if upstream.address else None,
+            cached_tokens=count("cached_tokens"), completion_tokens=count("completion_tokens"),
+            aborted=_cut_short(common.response_flags))
 
     def _bind(self, msg: ep.ProcessingRequest) -> Exchange | None:
         """The routed exchange whose decision id this message carries: in the envoy.lb
@@ -301,11 +375,18 @@ class EnvoyStreams:
         return self.handover.take(decision_id)
 
     def sweep(self, now: float) -> None:
-        """Release routed requests no observing stream took over in time (oldest first)."""
+        """Release routed requests no observing stream took over in time, and those whose
+        access log entry never came (oldest first)."""
         limit = self.options.unobserved_after_s
         for ex in self.handover.sweep(now, limit):
             log.warning("no observing stream for decision %s after %.0fs; released as "
                         "aborted (is Envoy's config the gateway's?)",
+                        ex.decision.id if ex.decision else "?", limit)
+            self.director.finish(ex, aborted=True)
+        limit = self.options.unlogged_after_s
+        for ex in self.handover.sweep_unlogged(now, limit):
+            log.warning("no access log entry for decision %s after %.0fs; released as "
+                        "aborted (does Envoy's access log reach the gateway?)",
                         ex.decision.id if ex.decision else "?", limit)
             self.director.finish(ex, aborted=True)
 
@@ -330,6 +411,16 @@ class EnvoyStreams:
             elif h.key == ERROR_HEADER:
                 error = header_value(h)
         self.director.response_started(ex, status, answered_by, error, msg.end_of_stream)
+
+
+def _cut_short(flags: al.ResponseFlags) -> bool:
+    """Whether Envoy's response flags say the exchange was cut short: the client left, or a
+    side reset or went idle mid-way (Envoy's own error replies, a 503 when no worker could be
+    reached or a 504 when none answered in time, are answers like any other, as the
+    observing stream sees them)."""
+    return any((flags.downstream_connection_termination, flags.downstream_remote_reset,
+                flags.upstream_remote_reset, flags.upstream_connection_termination,
+                flags.local_reset, flags.stream_idle_timeout, flags.duration_timeout))
 
 
 def _body_only_answer(s: RoutingStream, decision: Decision) -> list[ep.ProcessingResponse]:

@@ -69,6 +69,13 @@ PROCESS_ID_PREFIX = "p"
 # How the routing stream's request will be observed, as Envoy's config says: "async" (an
 # observing stream takes it over), "sync" (the routing stream carries the response), "off".
 OBSERVE_METADATA = "x-cachepilot-observe"
+# A fourth value, on both streams: the observing stream ends (the gateway closes it) at the
+# first token, and Envoy's access log stream reports the response's end, status and usage
+# (``cachepilot.gateway.access_log``): a handful of messages however long the answer.
+FIRST_TOKEN = "first-token"
+# Dynamic metadata namespace where Envoy's Lua filter (cachepilot.deploy.envoy.usage) puts
+# the usage it read from the response's end; the access log entry carries it.
+USAGE_NAMESPACE = "cachepilot.usage"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
@@ -34,7 +35,7 @@ from cachepilot.gateway.local_peers import LocalPeers
 from cachepilot.gateway.plugins import MetricsPlugin, StallTracker
 from cachepilot.gateway.processes import ProcessSlot
 from cachepilot.gateway.replica_bus import ReplicaBus
-from cachepilot.gateway.service import ExtProcServicer
+from cachepilot.gateway.service import AccessLogServicer, ExtProcServicer
 from cachepilot.records import open_recorder
 from cachepilot.records.explain import summary
 from cachepilot.records.plugins import DecisionSink, lifecycle_plugins
@@ -144,6 +145,8 @@ class Gateway:
     async def start(self) -> None:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+        als_grpc.add_AccessLogServiceServicer_to_server(
+            AccessLogServicer(self.servicer.streams), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.grpc_port = server.add_insecure_port(self.config.grpc_address)
         if not self.grpc_port:

@@ -16,6 +16,8 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2 as als
+from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
@@ -27,6 +29,7 @@ from cachepilot.gateway.protocol import (
     BODY_METADATA,
     BODY_ONLY,
     BUFFERED_BODY,
+    FIRST_TOKEN,
     METADATA_PREFIX,
     OBSERVE_METADATA,
     OBSERVE_ROLE,
@@ -86,7 +89,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 yield resp
             return
         if role == OBSERVE_ROLE:
-            await self._observe(request_iterator)
+            await self._observe(request_iterator, until_first_token=s.observe == FIRST_TOKEN)
             return
         # A body-only stream whose response goes elsewhere (an observing stream, or nowhere)
         # is done once its one message is answered: end it then, rather than wake again for
@@ -128,9 +131,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         finally:
             stream.ended()
 
-    async def _observe(self, request_iterator: AsyncIterator[ep.ProcessingRequest]) -> None:
+    async def _observe(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+                       until_first_token: bool = False) -> None:
         """Envoy sends and never waits for an answer; the gateway ends the stream itself once
-        the response is over (Envoy would hold it open for its deferred-close timeout)."""
+        the response is over (Envoy would hold it open for its deferred-close timeout), or
+        ``until_first_token`` once the first token has come: Envoy then sends nothing more,
+        and its access log reports the end (:class:`AccessLogServicer`)."""
         ex: Exchange | None = None
         try:
             async for msg in request_iterator:
@@ -138,7 +144,27 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     ex = self.streams.observe(ex, msg)
                 except Exception:
                     log.exception("ext_proc observation failed")
-                if ex is None or ex.done:
+                if ex is None or ex.done or (until_first_token and ex.first_token_s is not None):
                     break
         finally:
             self.streams.observing_ended(ex)
+
+
+class AccessLogServicer(als_grpc.AccessLogServiceServicer):
+    """Envoy's access log stream (one per Envoy worker thread, for as long as Envoy runs):
+    each entry ends the request it names, when its observing stream stopped at the first
+    token."""
+
+    def __init__(self, streams: EnvoyStreams) -> None:
+        self.streams = streams
+
+    async def StreamAccessLogs(self, request_iterator: AsyncIterator[als.StreamAccessLogsMessage],
+                               context: grpc.aio.ServicerContext
+                               ) -> als.StreamAccessLogsResponse:
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                try:
+                    self.streams.logged(entry)
+                except Exception:
+                    log.exception("access log entry failed")
+        return als.StreamAccessLogsResponse()

@@ -9,7 +9,9 @@ filter holds the headers meanwhile); the answer carries the fallback list, the c
 and the decision id, one round trip each way (``send_request_headers`` adds the headers
 message back, answered at once, and the destination header). A second ext_proc filter in
 ``observability_mode`` shows the gateway the request's decision id and the response (status,
-first byte and token, cached tokens) without Envoy ever waiting for it. Bodies over
+first byte and token) without Envoy ever waiting for it; the gateway closes that stream at
+the first token, and Envoy's access log reports the response's end, with the usage a Lua
+filter read from it (:mod:`cachepilot.deploy.envoy.usage`). Bodies over
 ``max_body_bytes`` are refused by the route (content-length) or by Envoy's buffer limit
 (chunked), in the gateway's JSON error body.
 
@@ -53,6 +55,7 @@ from cachepilot.deploy.envoy.common import (
     static_cluster,
 )
 from cachepilot.deploy.envoy.replies import json_reply, local_reply_config, too_large
+from cachepilot.deploy.envoy.usage import access_logs, usage_filter
 from cachepilot.gateway.protocol import (
     BODY_METADATA,
     BODY_ONLY,
@@ -61,6 +64,7 @@ from cachepilot.gateway.protocol import (
     DECISION_HEADER,
     DECISION_KEY,
     DESTINATION_HEADER,
+    FIRST_TOKEN,
     LB_METADATA_NAMESPACE,
     OBSERVE_METADATA,
     OBSERVE_ROLE,
@@ -120,6 +124,12 @@ class EnvoyOptions:
     # response headers, one message less per request, and such a request is released only
     # after the gateway's GatewayOptions.unobserved_after_s.
     observe_request_headers: bool = True
+    # The gateway closes the observing stream at the first token; Envoy's access log
+    # (cachepilot.deploy.envoy.usage) reports the end, the status and the usage a Lua filter
+    # reads from the answer's end. A handful of messages per request however long the answer,
+    # where reading it all costs the gateway ~40 µs per streamed event. Off: the observing
+    # stream reads the whole response.
+    observe_until_first_token: bool = True
     # How long Envoy keeps an observing stream open after its request has ended, for the
     # gateway to read what is queued on it (a burst can put it seconds behind); the gateway
     # ends the stream itself once it has seen the response's end.
@@ -232,7 +242,8 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
         response_header="SEND" if sync_observe else "SKIP",
         response_body="STREAMED" if sync_observe else "NONE")}
     # The gateway learns from the stream how Envoy sends it the body and the response.
-    observe = ("off" if not o.observe_responses else "sync" if sync_observe else "async")
+    observe = ("off" if not o.observe_responses else "sync" if sync_observe else
+               FIRST_TOKEN if o.observe_until_first_token else "async")
     routing["grpc_initial_metadata"] = [{"key": OBSERVE_METADATA, "value": observe}]
     if o.body_only:
         routing["grpc_initial_metadata"] += [{"key": BODY_METADATA, "value": BODY_ONLY},
@@ -249,7 +260,8 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
                 "processing_mode": processing_mode(
                     request_header="SEND" if o.observe_request_headers else "SKIP",
                     response_header="SEND", response_body="STREAMED"),
-                "grpc_initial_metadata": [{"key": ROLE_METADATA, "value": OBSERVE_ROLE}]}}
+                "grpc_initial_metadata": [{"key": ROLE_METADATA, "value": OBSERVE_ROLE},
+                                          {"key": OBSERVE_METADATA, "value": observe}]}}
     post = {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
     routes = [
         # No body means no ext_proc message at all: answer here.
@@ -347,6 +359,10 @@ def _observe_filter(o: EnvoyOptions) -> dict[str, Any]:
         deferred_close_timeout=f"{o.observe_close_timeout_s}s")
 
 
+def _observes_until_first_token(o: EnvoyOptions) -> bool:
+    return o.observe_responses and o.observe_async and o.observe_until_first_token
+
+
 def _hold_headers_filter(o: EnvoyOptions) -> dict[str, Any]:
     """Body-only routing: ext_proc passes the request headers on at once (it sends it none),
     so this buffer filter holds them, with the body, until the gateway's answer to the body
@@ -365,13 +381,19 @@ def build(o: EnvoyOptions) -> dict[str, Any]:
     for path in INFERENCE_PATHS:
         routes += _inference_routes(o, path, to_workers)
     routes += _routes(o, "other", {"prefix": "/"}, to_workers)
+    until_first_token = _observes_until_first_token(o)
+    logs = (access_logs([EXT_PROC_CLUSTER] if o.ext_proc_processes == 1 else
+                        [process_cluster(i) for i in range(o.ext_proc_processes)],
+                        by_metadata=o.body_only) if until_first_token else [])
     hcm = http_connection_manager(
         "cachepilot", remove_headers=(DESTINATION_HEADER,), route_config_name="cachepilot",
         routes=routes,
         filters=[_routing_filter(o),
                  *([_hold_headers_filter(o)] if o.body_only else []),
                  *([_observe_filter(o)] if o.observe_responses and o.observe_async else []),
+                 *([usage_filter()] if until_first_token else []),
                  router_filter()],
+        **({"access_log": logs} if logs else {}),
         stream_idle_timeout="300s",
         # Slow clients: the headers, then the whole request, must arrive in time (408).
         request_headers_timeout=f"{o.headers_timeout_s}s",
