@@ -19,17 +19,17 @@ geometric mean of the per-round ratios with its 95 % interval (t on the log rati
 ``cachepilot.lab.stats.paired_ratio``).
 
     python benchmarks/streamed_answers.py                          # 1, 16, 128, 512 tokens
-    python benchmarks/streamed_answers.py --tokens 128 --rounds 5 --json runs/streamed.json
+    python benchmarks/streamed_answers.py --out docs/results/streamed-answers  # + report, PNG
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--speed", type=float, default=8.0,
                     help="the simulated workers' speed (model seconds per wall second)")
-    ap.add_argument("--json", help="write every round's figures here")
+    ap.add_argument("--out", help="report.md, results.json (every round) and a PNG here")
     args = ap.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
     stacks: dict[str, LocalStack] = {}
@@ -127,19 +127,40 @@ def main() -> int:
     finally:
         for s in stacks.values():
             s.stop()
-    print("\n| tokens | way | gateway CPU ms/request | Envoy CPU ms/request | body messages "
-          "observed/request | p50 ms |")
-    print("|---:|---|---:|---:|---:|---:|")
+    text = report(rows, lengths, args)
+    print(text)
+    if args.out:
+        from cachepilot.lab.output import StudyOutput
+
+        out = StudyOutput(Path(args.out), "python " + " ".join(sys.argv))
+        out.figure(plot(rows, lengths), "streamed-answers.png")
+        out.write(text + "\n![CPU per request against answer length](streamed-answers.png)\n",
+                  {"args": vars(args), "rows": rows})
+    return 0
+
+
+def _median(rows: list[dict[str, Any]], tokens: int, way: str, key: str) -> float:
+    return statistics.median(x[key] for x in rows if x["tokens"] == tokens and x["way"] == way)
+
+
+def report(rows: list[dict[str, Any]], lengths: list[int], args: argparse.Namespace) -> str:
+    lines = ["# What observing a streamed answer costs", "",
+             f"Streamed chat answers, 8 KB prompts, {args.requests} requests per stack, length "
+             f"and round, {args.concurrency} in flight, {args.rounds} rounds (order "
+             "alternating); medians over the rounds. `first-token`: the default; `whole`: "
+             "the observing stream carries every body message to the end.", "",
+             "| tokens | way | gateway CPU ms/request | Envoy CPU ms/request | body messages "
+             "observed/request | p50 ms |", "|---:|---|---:|---:|---:|---:|"]
     for tokens in lengths:
         for way in WAYS:
-            mine = [x for x in rows if x["tokens"] == tokens and x["way"] == way]
-            print(f"| {tokens} | {way} | "
-                  + " | ".join(f"{statistics.median(x[k] for x in mine):.2f}" for k in
-                               ("gateway_ms", "envoy_ms", "body_msgs"))
-                  + f" | {statistics.median(x['p50_ms'] for x in mine):.0f} |")
-    print("\nfirst-token ÷ whole (geometric mean of the per-round ratios [95 %]):\n")
-    print("| tokens | gateway CPU | Envoy CPU | gateway + Envoy | p50 |")
-    print("|---:|---:|---:|---:|---:|")
+            lines.append(f"| {tokens} | {way} | " + " | ".join(
+                f"{_median(rows, tokens, way, k):.2f}"
+                for k in ("gateway_ms", "envoy_ms", "body_msgs"))
+                + f" | {_median(rows, tokens, way, 'p50_ms'):.0f} |")
+    lines += ["", "first-token ÷ whole: the geometric mean of the per-round ratios [95 %, t on "
+              "the log ratios]:", "",
+              "| tokens | gateway CPU | Envoy CPU | gateway + Envoy | p50 |",
+              "|---:|---:|---:|---:|---:|"]
     for tokens in lengths:
         cells = []
         for k in ("gateway_ms", "envoy_ms", "stack_ms", "p50_ms"):
@@ -148,11 +169,29 @@ def main() -> int:
             d = paired_ratio(pair["first-token"], pair["whole"])
             cells.append(f"{1 + d['rel']:.2f} [{1 + d['rel_lo']:.2f}, {1 + d['rel_hi']:.2f}]"
                          if d["n"] >= 2 else f"{1 + d['rel']:.2f}")
-        print(f"| {tokens} | " + " | ".join(cells) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    return 0
+        lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], lengths: list[int]):  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for way, style in zip(WAYS, ("-", "--"), strict=True):
+        for key, who in (("gateway_ms", "gateway"), ("envoy_ms", "Envoy")):
+            ax.plot(lengths, [_median(rows, t, way, key) for t in lengths], ls=style,
+                    marker="o", label=f"{who}, {way}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("answer tokens (streamed events)")
+    ax.set_ylabel("CPU ms per request")
+    ax.set_title("observing a streamed answer: until its first token, or whole")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":
