@@ -181,9 +181,9 @@ def plot(rows: list[dict[str, Any]], lengths: list[int]):  # type: ignore[no-unt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for way, style in zip(WAYS, ("-", "--"), strict=True):
-        for key, who in (("gateway_ms", "gateway"), ("envoy_ms", "Envoy")):
+        for key, who, colour in (("gateway_ms", "gateway", "C0"), ("envoy_ms", "Envoy", "C1")):
             ax.plot(lengths, [_median(rows, t, way, key) for t in lengths], ls=style,
-                    marker="o", label=f"{who}, {way}")
+                    color=colour, marker="o", label=f"{who}, {way}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("answer tokens (streamed events)")

@@ -331,3 +331,30 @@ def test_a_long_answer_costs_a_handful_of_observed_messages(tmp_path) -> None:
         assert out["status"] == 200 and not out["aborted"] and out["ttft_kind"] == "first_token"
         assert out["completion_tokens"] == 120  # read at the end, by Envoy
     assert recs[-1]["record"]["outcome"]["cached_tokens"] > 0  # the shared system prompt
+
+
+def test_requests_past_their_first_token_are_released_when_their_envoy_dies(tmp_path) -> None:
+    """Past its first token only Envoy's access log ends a request; when that Envoy dies, its
+    closed log stream releases the requests it routed, not the hour-long sweep."""
+    with LocalStack(StackConfig(workers=2, speed=1.0, decision_log=str(tmp_path / "d"))
+                    ) as stack:
+
+        def inflight() -> int:
+            return sum(w["inflight"] for w in
+                       httpx.get(f"{stack.admin_url}/workers", timeout=5).json())
+
+        # Envoy opens its access log stream at its first entry.
+        warm = httpx.post(stack.url + "/v1/chat/completions", json=chat("warm"), timeout=30)
+        until(lambda: _recorded_with_outcome(stack, warm.headers["x-cachepilot-decision-id"]),
+              what="the first entry")
+        body = chat("a long answer", max_tokens=4000, stream=True)
+        with httpx.Client(base_url=stack.url, timeout=30) as c, \
+                c.stream("POST", "/v1/chat/completions", json=body) as r:
+            decision_id = r.headers["x-cachepilot-decision-id"]
+            chunks = r.iter_raw()  # kept: a dropped iterator closes the response
+            next(chunks)  # the first token: the observing stream is closed
+            assert inflight() == 1
+            stack.kill("envoy")
+            until(lambda: inflight() == 0, timeout=5, what="the request released")
+        rec = until(lambda: _recorded_with_outcome(stack, decision_id), what="outcome")
+        assert rec["record"]["outcome"]["aborted"]

@@ -22,13 +22,14 @@ config): the gateway closes the observing stream once the first token has come (
 sends it nothing more; grpc.aio costs ~40 µs a message, and a streamed answer is one message
 per event), and Envoy's access log entry, at the response's end, ends the exchange with its
 status and the usage Envoy's Lua filter read (:meth:`EnvoyStreams.logged`). One whose entry
-has not come within ``unlogged_after_s`` is released as aborted.
+will not come is released as aborted: when the Envoy that routed it closes its last access
+log stream (:meth:`EnvoyStreams.access_log_closed`), or after ``unlogged_after_s``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,6 +88,7 @@ class RoutingStream:
     body: bytearray = field(default_factory=bytearray)
     chunks: int = 0  # request body messages not yet answered
     headers: dict[str, str] = field(default_factory=dict)  # what flow control reads
+    envoy: str = ""  # the Envoy that opened it, by host (its access log's, see EnvoyStreams)
 
 
 class Handover:
@@ -99,19 +101,29 @@ class Handover:
         # Exchanges Envoy's access log ends (observed until the first token), by decision id,
         # oldest first, with when they were routed.
         self.unlogged: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
+        self.via: dict[str, str] = {}  # of those, the Envoy (host) that routed each
 
-    def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False) -> None:
+    def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False,
+               via: str = "") -> None:
         self.live[d.id] = ex
         if logged:
             self.unlogged[d.id] = (ex, now)
+            self.via[d.id] = via
 
     def logged(self, decision_id: str) -> Exchange | None:
         """The exchange whose access log entry this is (forgotten here), if it awaits one."""
         ex = self.unlogged.pop(decision_id, (None, 0.0))[0]
+        self.via.pop(decision_id, None)
         if ex is not None:  # the entry came before its observing stream: none will
             self.live.pop(decision_id, None)
             self.unobserved.pop(decision_id, None)
         return ex
+
+    def unlogged_via(self, envoy: str) -> list[Exchange]:
+        """The exchanges ``envoy`` routed that await their access log entry (forgotten
+        here; the caller ends them)."""
+        ids = [i for i, e in self.via.items() if e == envoy]
+        return [ex for i in ids if (ex := self.logged(i)) is not None and not ex.done]
 
     def park(self, d: Decision, ex: Exchange, now: float) -> None:
         """The routing stream ended first: wait for the observing stream."""
@@ -127,6 +139,7 @@ class Handover:
         self.live.pop(d.id, None)
         self.unobserved.pop(d.id, None)
         self.unlogged.pop(d.id, None)
+        self.via.pop(d.id, None)
 
     def sweep(self, now: float, after_s: float) -> list[Exchange]:
         """Exchanges parked longer than ``after_s`` (forgotten here; the caller ends them)."""
@@ -134,6 +147,7 @@ class Handover:
         for decision_id, ex in _older(self.unobserved, now, after_s):
             self.live.pop(decision_id, None)
             self.unlogged.pop(decision_id, None)
+            self.via.pop(decision_id, None)
             if not ex.done:
                 out.append(ex)
         return out
@@ -141,7 +155,10 @@ class Handover:
     def sweep_unlogged(self, now: float, after_s: float) -> list[Exchange]:
         """Exchanges whose access log entry has not come within ``after_s`` of routing (the
         finished ones forgotten too; the caller ends the others)."""
-        return [ex for _, ex in _older(self.unlogged, now, after_s) if not ex.done]
+        old = _older(self.unlogged, now, after_s)
+        for decision_id, _ in old:
+            self.via.pop(decision_id, None)
+        return [ex for _, ex in old if not ex.done]
 
 
 def _older(parked: OrderedDict[str, tuple[Exchange, float]], now: float, after_s: float
@@ -163,6 +180,7 @@ class EnvoyStreams:
     def __init__(self, director: Director) -> None:
         self.director = director
         self.handover = Handover()
+        self.log_streams: Counter[str] = Counter()  # open access log streams, by Envoy host
         flow = director.flow
         self.flow_headers = frozenset(header_names(flow.config)) if flow else frozenset()
 
@@ -279,7 +297,7 @@ class EnvoyStreams:
         if s.observe in ("async", FIRST_TOKEN) or (not s.observe and opts.observe_responses
                                                    and opts.observe_async):
             self.handover.expect(decision, s.ex, self.director.clock(),
-                                 logged=s.observe == FIRST_TOKEN)
+                                 logged=s.observe == FIRST_TOKEN, via=s.envoy)
             self.sweep(s.ex.started)  # also here: the stall watch may be off
 
     def _answer(self, s: RoutingStream, routed: Decision | Ticket | Turn,
@@ -334,6 +352,26 @@ class EnvoyStreams:
         if d is not None and ex.first_token_s is not None and d.id in self.handover.unlogged:
             return
         self.director.finish(ex, aborted=True)
+
+    def access_log_opened(self, envoy: str) -> None:
+        self.log_streams[envoy] += 1
+
+    def access_log_closed(self, envoy: str) -> None:
+        """One of ``envoy``'s access log streams ended. When its last one has (Envoy stopped
+        or crashed: it keeps them open while it runs), the requests it routed that still await
+        their entry never get it: released as aborted now rather than after
+        ``unlogged_after_s``. Envoy opens a stream at its first entry, so one that stops
+        before logging anything leaves its requests to that sweep."""
+        self.log_streams[envoy] -= 1
+        if self.log_streams[envoy] > 0:
+            return
+        del self.log_streams[envoy]
+        gone = self.handover.unlogged_via(envoy)
+        if gone:
+            log.warning("Envoy at %s closed its access log; %d request(s) it routed released "
+                        "as aborted", envoy or "?", len(gone))
+        for ex in gone:
+            self.director.finish(ex, aborted=True)
 
     def logged(self, entry: al.HTTPAccessLogEntry) -> None:
         """Envoy's access log entry for a request, at its end: ends the exchange it names
