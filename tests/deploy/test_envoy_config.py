@@ -133,6 +133,18 @@ def test_observation_modes() -> None:
     assert "cachepilot.observe" in names and mode["response_header_mode"] == "SKIP"
     assert "x-cachepilot-decision-id" in added  # Envoy adds it: the gateway answers nothing
     assert "envoy.filters.http.lua" in names
+    # Not streamed (the routing answer says so in envoy.lb): no observing stream at all.
+    hcm = build_bootstrap(EnvoyOptions())["static_resources"]["listeners"][0][
+        "filter_chains"][0]["filters"][-1]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    names = [r["name"] for r in routes]
+    plain = routes[names.index("/v1/completions-unobserved")]
+    assert names.index("/v1/completions-unobserved") == names.index("/v1/completions") - 1
+    assert plain["match"]["dynamic_metadata"][-1] == {
+        "filter": "envoy.lb", "path": [{"key": "x-cachepilot-unobserved"}],
+        "value": {"string_match": {"exact": "1"}}}
+    assert plain["typed_per_filter_config"]["cachepilot.observe"]["disabled"] is True
+    assert plain["route"] == routes[names.index("/v1/completions")]["route"]
     # Reading the whole response instead: no usage filter, no access log.
     o = EnvoyOptions(observe_until_first_token=False)
     names, mode, added = shape(o)
@@ -140,6 +152,8 @@ def test_observation_modes() -> None:
     hcm = build_bootstrap(o)["static_resources"]["listeners"][0]["filter_chains"][0][
         "filters"][-1]["typed_config"]
     assert "access_log" not in hcm
+    assert not any(r["name"].endswith("-unobserved")
+                   for r in hcm["route_config"]["virtual_hosts"][0]["routes"])
     # The command line's way to it.
     res = CliRunner().invoke(cli, ["envoy-config", "--observe-until", "end"])
     assert res.exit_code == 0 and "lua" not in res.output and "first-token" not in res.output
@@ -192,7 +206,7 @@ def test_each_process_observes_what_it_routed() -> None:
     names = [r["name"] for r in routes]
     for path in ("/v1/completions", "/v1/chat/completions"):
         i = names.index(path)
-        assert names[i - 2:i] == [f"{path}-p0", f"{path}-p1"]  # before the catch-all
+        assert names[i - 3:i] == [f"{path}-unobserved", f"{path}-p0", f"{path}-p1"]
         for k in (0, 1):
             r = routes[i - 2 + k]
             assert r["match"]["dynamic_metadata"][-1]["value"]["string_match"] == {

@@ -358,3 +358,38 @@ def test_requests_past_their_first_token_are_released_when_their_envoy_dies(tmp_
             until(lambda: inflight() == 0, timeout=5, what="the request released")
         rec = until(lambda: _recorded_with_outcome(stack, decision_id), what="outcome")
         assert rec["record"]["outcome"]["aborted"]
+
+
+def test_an_answer_that_is_not_streamed_needs_no_observing_stream(tmp_path) -> None:
+    """Its first byte is its end: Envoy's route for it skips the observing filter, and the
+    access log brings the status, the worker, the usage and the first byte's time."""
+    with LocalStack(StackConfig(workers=2, speed=4.0, decision_log=str(tmp_path / "d"))
+                    ) as stack:
+
+        def observing_streams() -> int:
+            text = httpx.get(f"http://127.0.0.1:{stack.envoy_admin_port}/stats", timeout=5).text
+            return sum(int(line.rsplit(": ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("http.cachepilot.ext_proc.observe.streams_started"))
+
+        with httpx.Client(base_url=stack.url, timeout=30) as c:
+            before = observing_streams()
+            sent = []
+            for i in range(3):
+                t0 = time.perf_counter()
+                r = c.post("/v1/chat/completions", json=chat(f"plain {i}"))
+                assert r.status_code == 200
+                sent.append((r.headers["x-cachepilot-decision-id"], time.perf_counter() - t0))
+            assert observing_streams() == before
+            with c.stream("POST", "/v1/chat/completions",
+                          json=chat("streamed", stream=True)) as r:
+                r.read()
+            until(lambda: observing_streams() == before + 1, what="a streamed answer observed")
+        for k, (decision_id, took_s) in enumerate(sent):
+            out = until(lambda d=decision_id: _recorded_with_outcome(stack, d),
+                        what="outcome")["record"]["outcome"]
+            assert out["status"] == 200 and not out["aborted"]
+            assert out["ttft_kind"] == "first_byte"
+            assert 0 < out["first_byte_ms"] <= took_s * 1000
+            assert out["completion_tokens"] == 8
+            if k:
+                assert out["cached_tokens"] > 0  # the shared system prompt

@@ -327,6 +327,47 @@ def test_an_envoy_is_known_by_its_host_whatever_the_connection() -> None:
     assert envoy_host(None) == ""
 
 
+def test_an_answer_that_is_not_streamed_is_ended_by_the_access_log_alone() -> None:
+    """Observed until the first token and not streamed: the routing answer marks it
+    unobserved (Envoy's route then skips the observing filter), the routing stream's end
+    leaves it to the log, and the entry's timings place its first byte."""
+    from cachepilot.gateway.protocol import UNOBSERVED_KEY
+
+    now = [100.0]
+    p = Box(clock=lambda: now[0], options=GatewayOptions(max_body_bytes=10_000))
+    s = p.stream(body_only=True, path="/v1/chat/completions", observe="first-token")
+    [out] = p.handle(s, body(chat(), eos=True))
+    d = s.ex.decision
+    lb = out.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[UNOBSERVED_KEY].string_value == "1"
+    p.streams.routing_ended(s)
+    w = p.router.pools["default"].workers[d.chosen]
+    assert not s.ex.done and w.inflight == 1 and d.id not in p.streams.handover.live
+    now[0] = 100.9  # the entry arrives a while after the answer's end
+    p.streams.logged(access_log_entry(d.id, upstream=d.chosen, body_in_s=0.010,
+                                      first_byte_in_s=0.260, usage={"cached_tokens": 5}))
+    out = p.sink.outcomes[d.id]
+    assert w.inflight == 0 and not out["aborted"] and out["cached_tokens"] == 5
+    assert out["ttft_kind"] == "first_byte" and out["first_byte_ms"] == pytest.approx(250.0)
+    # Streamed, the same request is observed (until its first token).
+    s = p.stream(body_only=True, path="/v1/chat/completions", observe="first-token")
+    [out] = p.handle(s, body(chat(stream=True), eos=True))
+    assert UNOBSERVED_KEY not in out.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert s.ex.decision.id in p.streams.handover.live
+
+
+def test_envoys_own_error_reply_in_the_access_log_marks_the_worker_down() -> None:
+    p = Box(options=GatewayOptions(max_body_bytes=10_000))
+    s = p.stream(body_only=True, path="/v1/chat/completions", observe="first-token")
+    p.handle(s, body(chat(), eos=True))
+    d = s.ex.decision
+    p.streams.routing_ended(s)
+    p.streams.logged(access_log_entry(d.id, status=503, error="worker_unreachable",
+                                      upstream_connection_failure=True))
+    assert p.sink.outcomes[d.id]["status"] == 503
+    assert p.router.pools["default"].workers[d.chosen].down
+
+
 def test_the_servicer_closes_an_observing_stream_at_the_first_token(proc) -> None:
     s, _ = exchange(proc, chat(stream=True))
     s.observe = "first-token"

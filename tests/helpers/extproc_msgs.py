@@ -31,11 +31,18 @@ def set_headers(resp: ep.ProcessingResponse) -> dict[str, str]:
 
 def access_log_entry(decision_id: str, status: int = 200, upstream: str = "",
                      usage: dict[str, int] | None = None, by_metadata: bool = True,
-                     **flags: bool) -> al.HTTPAccessLogEntry:
+                     body_in_s: float | None = None, first_byte_in_s: float | None = None,
+                     error: str | None = None, **flags: bool) -> al.HTTPAccessLogEntry:
     """Envoy's access log entry at a request's end: the decision id in envoy.lb metadata (a
     body-only routing answer's) or in the logged request headers, the usage its Lua filter
-    read, the worker, the response flags (``downstream_connection_termination=True``, …)."""
+    read, the worker, when (since the request's start) its body was in and the worker's
+    first byte came, Envoy's error header, the response flags
+    (``downstream_connection_termination=True``, …)."""
     common = al.AccessLogCommon(response_flags=al.ResponseFlags(**flags))
+    if body_in_s is not None:
+        common.time_to_last_rx_byte.FromNanoseconds(int(body_in_s * 1e9))
+    if first_byte_in_s is not None:
+        common.time_to_first_upstream_rx_byte.FromNanoseconds(int(first_byte_in_s * 1e9))
     if by_metadata:
         common.metadata.filter_metadata["envoy.lb"].update(
             {"x-cachepilot-decision-id": decision_id})
@@ -50,4 +57,6 @@ def access_log_entry(decision_id: str, status: int = 200, upstream: str = "",
         entry.request.request_headers["x-cachepilot-decision-id"] = decision_id
     if status:
         entry.response.response_code.value = status
+    if error:
+        entry.response.response_headers["x-cachepilot-error"] = error
     return entry

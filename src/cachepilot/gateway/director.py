@@ -314,10 +314,12 @@ class Director:
 
     # -- response -----------------------------------------------------------------------------
     def response_started(self, ex: Exchange, status: str | None, answered_by: str | None,
-                         error: str | None, end_of_stream: bool) -> None:
+                         error: str | None, end_of_stream: bool, at: float | None = None
+                         ) -> None:
         """The response's headers: its status, the worker the proxy says answered it, the
-        reason the proxy gives for an error reply of its own."""
-        now = self.clock()
+        reason the proxy gives for an error reply of its own; ``at``: when they came, if
+        not now."""
+        now = self.clock() if at is None else at
         if status is not None:
             ex.status = int(status) if status.isdigit() else None
         ex.answered_by = answered_by or ex.answered_by
@@ -361,13 +363,18 @@ class Director:
 
     def logged_end(self, ex: Exchange, *, status: int | None, answered_by: str | None,
                    cached_tokens: int | None, completion_tokens: int | None,
-                   aborted: bool) -> None:
+                   aborted: bool, first_byte_at: float | None = None,
+                   error: str | None = None) -> None:
         """The response's end as Envoy's access log reports it (its observing stream stopped
-        at the first token): its status, who answered, the usage Envoy read from its end."""
+        at the first token, or there was none): its status, who answered, the usage Envoy
+        read from its end; ``first_byte_at``: when the worker's first byte came (by
+        Envoy's timings; None: now), ``error``: Envoy's reason for an error reply of its
+        own."""
         if ex.done or ex.decision is None:
             return
-        if ex.phase is not Phase.RESPONDING and status:  # the log came before the headers
-            self.response_started(ex, str(status), answered_by, None, False)
+        if ex.phase is not Phase.RESPONDING and status:  # no observer saw the headers
+            self.response_started(ex, str(status), answered_by, error, False,
+                                  at=first_byte_at)
         if status:  # 0: Envoy got no response to log
             ex.status = status
         ex.answered_by = answered_by or ex.answered_by

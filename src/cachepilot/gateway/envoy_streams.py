@@ -56,6 +56,7 @@ from cachepilot.gateway.protocol import (
     ERROR_HEADER,
     FIRST_TOKEN,
     LB_METADATA_NAMESPACE,
+    UNOBSERVED_KEY,
     USAGE_NAMESPACE,
     WORKER_HEADER,
     attribute_headers,
@@ -104,8 +105,11 @@ class Handover:
         self.via: dict[str, str] = {}  # of those, the Envoy (host) that routed each
 
     def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False,
-               via: str = "") -> None:
-        self.live[d.id] = ex
+               via: str = "", observed: bool = True) -> None:
+        """``observed``: an observing stream will take it over; ``logged``: Envoy's access
+        log ends it (``via`` that Envoy)."""
+        if observed:
+            self.live[d.id] = ex
         if logged:
             self.unlogged[d.id] = (ex, now)
             self.via[d.id] = via
@@ -292,12 +296,14 @@ class EnvoyStreams:
         return routed
 
     def _routed(self, s: RoutingStream, decision: Decision) -> None:
-        """A routed exchange: its observing stream will take it over."""
+        """A routed exchange: its observing stream will take it over, or (not streamed,
+        observed until the first token) Envoy's access log alone ends it."""
         opts = self.options
         if s.observe in ("async", FIRST_TOKEN) or (not s.observe and opts.observe_responses
                                                    and opts.observe_async):
             self.handover.expect(decision, s.ex, self.director.clock(),
-                                 logged=s.observe == FIRST_TOKEN, via=s.envoy)
+                                 logged=s.observe == FIRST_TOKEN, via=s.envoy,
+                                 observed=not _log_only(s))
             self.sweep(s.ex.started)  # also here: the stall watch may be off
 
     def _answer(self, s: RoutingStream, routed: Decision | Ticket | Turn,
@@ -317,9 +323,12 @@ class EnvoyStreams:
         """A routing stream closed. A routed exchange waits for its observing stream (which
         ends it); otherwise the request is over, however it ended."""
         ex, d = s.ex, s.ex.decision
-        if d is not None and not ex.done and not s.sees_response and d.id in self.handover.live:
-            self.handover.park(d, ex, self.director.clock())
-            return
+        if d is not None and not ex.done and not s.sees_response:
+            if d.id in self.handover.live:
+                self.handover.park(d, ex, self.director.clock())
+                return
+            if d.id in self.handover.unlogged:  # its observer or Envoy's log will end it
+                return
         if d is not None:
             self.handover.forget(d)
         self.director.finish(ex, aborted=True)
@@ -398,7 +407,9 @@ class EnvoyStreams:
             ex, status=entry.response.response_code.value or None,
             answered_by=f"{upstream.address}:{upstream.port_value}" if upstream.address else None,
             cached_tokens=count("cached_tokens"), completion_tokens=count("completion_tokens"),
-            aborted=_cut_short(common.response_flags))
+            aborted=_cut_short(common.response_flags),
+            first_byte_at=_first_byte_at(ex, common, self.director.clock()),
+            error=entry.response.response_headers.get(ERROR_HEADER))
 
     def _bind(self, msg: ep.ProcessingRequest) -> Exchange | None:
         """The routed exchange whose decision id this message carries: in the envoy.lb
@@ -451,6 +462,19 @@ class EnvoyStreams:
         self.director.response_started(ex, status, answered_by, error, msg.end_of_stream)
 
 
+def _first_byte_at(ex: Exchange, common: al.AccessLogCommon, now: float) -> float:
+    """When, on the gateway's clock, the worker's first byte came, by Envoy's timings: after
+    the request body's last byte (when Envoy sent it to the gateway, just before the exchange
+    started) by the time Envoy reports between the two. The entry's own arrival would add
+    the access log's delivery (a few ms). ``now`` if the worker sent nothing."""
+    if not (common.HasField("time_to_first_upstream_rx_byte")
+            and common.HasField("time_to_last_rx_byte")):
+        return now
+    after = (common.time_to_first_upstream_rx_byte.ToTimedelta()
+             - common.time_to_last_rx_byte.ToTimedelta()).total_seconds()
+    return min(now, ex.started + max(0.0, after))
+
+
 def _cut_short(flags: al.ResponseFlags) -> bool:
     """Whether Envoy's response flags say the exchange was cut short: the client left, or a
     side reset or went idle mid-way (Envoy's own error replies, a 503 when no worker could be
@@ -468,14 +492,24 @@ def _body_only_answer(s: RoutingStream, decision: Decision) -> list[ep.Processin
     return [ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=_routed(decision)),
         dynamic_metadata=lb_metadata(fallback_list(decision), **{
-            DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}))]
+            DECISION_KEY: decision.id, CHOSEN_KEY: decision.chosen}, **_unobserved(s)))]
+
+
+def _log_only(s: RoutingStream) -> bool:
+    """Observed until the first token and not streamed: the first byte is the end, which
+    Envoy's access log reports; no observing stream is needed (Envoy's route skips it)."""
+    return s.observe == FIRST_TOKEN and not s.ex.stream
+
+
+def _unobserved(s: RoutingStream) -> dict[str, str]:
+    return {UNOBSERVED_KEY: "1"} if _log_only(s) else {}
 
 
 def _routed_body_answers(s: RoutingStream, decision: Decision) -> list[ep.ProcessingResponse]:
     """The answers to a routed body: its own (BUFFERED: it carries the routing), or the
     headers' (carrying the routing) and one per body chunk (STREAMED)."""
     common = _routed(decision)
-    metadata = lb_metadata(fallback_list(decision))
+    metadata = lb_metadata(fallback_list(decision), **_unobserved(s))
     if s.buffered:  # the headers wait for the body's answer, which carries the routing
         s.chunks = 0
         return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),

@@ -71,8 +71,13 @@ PROCESS_ID_PREFIX = "p"
 OBSERVE_METADATA = "x-cachepilot-observe"
 # A fourth value, on both streams: the observing stream ends (the gateway closes it) at the
 # first token, and Envoy's access log stream reports the response's end, status and usage
-# (``cachepilot.gateway.access_log``): a handful of messages however long the answer.
+# (``AccessLogServicer`` in ``cachepilot.gateway.service``): a handful of messages however
+# long the answer.
 FIRST_TOKEN = "first-token"
+# envoy.lb metadata the routing answer adds (value "1") to a request observed until the
+# first token that is not streamed: its first byte is its end, which the access log reports
+# with Envoy's timings, so Envoy's route for it disables the observing filter (no stream).
+UNOBSERVED_KEY = "x-cachepilot-unobserved"
 # Dynamic metadata namespace where Envoy's Lua filter (cachepilot.deploy.envoy.usage) puts
 # the usage it read from the response's end; the access log entry carries it.
 USAGE_NAMESPACE = "cachepilot.usage"

@@ -72,6 +72,7 @@ from cachepilot.gateway.protocol import (
     PROCESS_ID_PREFIX,
     ROLE_METADATA,
     ROUTE_ROLE,
+    UNOBSERVED_KEY,
     WORKER_HEADER,
     header_attribute,
 )
@@ -288,10 +289,27 @@ def _inference_routes(o: EnvoyOptions, path: str, to_workers: dict[str, Any]
         if not sync_observe:  # the gateway answers no response message: Envoy adds it
             r["response_headers_to_add"] = [*r["response_headers_to_add"],
                                             header(DECISION_HEADER, decision)]
+        if _observes_until_first_token(o) and o.body_only:
+            routes.append(unobserved_route(r))
         if o.ext_proc_processes > 1 and OBSERVE_FILTER in per_route:
             routes += process_routes(r, o.ext_proc_processes, by_metadata=o.body_only)
         routes.append(r)
     return routes
+
+
+def unobserved_route(route: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``route`` for the requests the routing answer marks unobserved (not
+    streamed: Envoy's access log alone reports them), with the observing filter off: no
+    second gRPC stream for them. Envoy matches it once the routing answer clears the route
+    cache."""
+    match = copy.deepcopy(route["match"])
+    match["dynamic_metadata"] = [*match.get("dynamic_metadata", []), {
+        "filter": LB_METADATA_NAMESPACE, "path": [{"key": UNOBSERVED_KEY}],
+        "value": {"string_match": {"exact": "1"}}}]
+    per_route = {**copy.deepcopy(route["typed_per_filter_config"]), OBSERVE_FILTER: {
+        "@type": T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
+    return {**copy.deepcopy(route), "name": f"{route['name']}-unobserved", "match": match,
+            "typed_per_filter_config": per_route}
 
 
 def process_routes(route: dict[str, Any], processes: int, *, by_metadata: bool

@@ -21,6 +21,7 @@ from cachepilot.deploy.envoy.common import T
 from cachepilot.gateway.protocol import (
     DECISION_HEADER,
     DECISION_KEY,
+    ERROR_HEADER,
     LB_METADATA_NAMESPACE,
     PROCESS_ID_PREFIX,
     USAGE_NAMESPACE,
@@ -88,6 +89,8 @@ def access_logs(clusters: list[str], *, by_metadata: bool) -> list[dict[str, Any
                             "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                             # Each entry at once: it releases the worker's booking.
                             "buffer_size_bytes": 0},
+                        # Envoy's reason for an error reply of its own (local_reply_config).
+                        "additional_response_headers_to_log": [ERROR_HEADER],
                         **({} if by_metadata else
                            {"additional_request_headers_to_log": [DECISION_HEADER]})}})
     return out
