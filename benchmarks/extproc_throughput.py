@@ -3,11 +3,12 @@ gRPC load driver shaped like Envoy, without Envoy in the way.
 
 Each request is what Envoy sends with the default bootstrap: a routing stream (the whole body
 as its one message, whose answer routes: the latency measured, from sending the body to that
-answer) and, once answered, an observing stream (request headers with the decision id in
-envoy.lb metadata, response headers, the response body with its usage), which Envoy never
-waits for. The workers are fake: one
-process answers every worker's ``/metrics`` with a fixed, idle vLLM exposition, so the
-gateway scrapes and prices them as it would real ones (at its default scrape interval).
+answer) and, at its end, an access log entry (the decision id in envoy.lb metadata, the
+usage, the worker), which Envoy never waits for; the answers are not streamed, so the
+routing answer marks them unobserved and no observing stream is opened (``Driver``). The
+workers are fake: one process answers every worker's ``/metrics`` with a fixed, idle vLLM
+exposition, so the gateway scrapes and prices them as it would real ones (at its default
+scrape interval).
 
 Two figures per cell. The gateway's CPU time per request (user + system, all its threads,
 from /proc) gives what one core sustains when the process has it to itself:
@@ -42,6 +43,9 @@ import grpc
 import numpy as np
 import orjson
 from envoy.config.core.v3 import base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from envoy.service.accesslog.v3 import als_pb2 as als
+from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from rich.console import Console
@@ -51,11 +55,14 @@ from cachepilot.gateway.protocol import (
     BODY_METADATA,
     BODY_ONLY,
     CHOSEN_KEY,
+    FIRST_TOKEN,
     LB_METADATA_NAMESPACE,
     OBSERVE_METADATA,
     OBSERVE_ROLE,
     PATH_METADATA,
     ROLE_METADATA,
+    UNOBSERVED_KEY,
+    USAGE_NAMESPACE,
     WORKER_HEADER,
 )
 from cachepilot.tooling.procs import process_stat, wait_http_ok
@@ -104,10 +111,20 @@ TOKEN_EVENT = (b'data: {"id":"x","object":"text_completion","choices":[{"index":
 
 
 class Driver:
-    def __init__(self, ports: list[int], observe: bool, response_chunks: int = 1) -> None:
+    """Envoy's side of the default bootstrap. ``observe``: responses are observed, until the
+    first token (``until_first_token``, the default: a request the routing answer marks
+    unobserved, not streamed, gets no observing stream, only an access log entry at its end,
+    on one log stream per process as Envoy keeps) or whole (an observing stream carrying
+    every body message, ``--observe-until end``)."""
+
+    def __init__(self, ports: list[int], observe: bool, response_chunks: int = 1,
+                 until_first_token: bool = True) -> None:
         self.channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
         self.stubs = [ep_grpc.ExternalProcessorStub(c) for c in self.channels]
         self.observe = observe
+        self.mode = ("off" if not observe else FIRST_TOKEN if until_first_token else "async")
+        self.log_stubs = [als_grpc.AccessLogServiceStub(c) for c in self.channels]
+        self.logs: dict[int, tuple[Any, asyncio.Lock]] = {}
         # The response body as this many messages (a streamed answer: one SSE event of a
         # token each, as Envoy's STREAMED observing filter passes them on), usage last.
         self.response = [ep.ProcessingRequest(response_body=ep.HttpBody(body=TOKEN_EVENT))
@@ -122,11 +139,12 @@ class Driver:
         body is the stream's one message, its answer routes and the gateway ends the stream);
         returns (ms until the routing answer, ok)."""
         self.i += 1
-        stub = self.stubs[self.i % len(self.stubs)]
+        k = self.i % len(self.stubs)
+        stub = self.stubs[k]
         t0 = time.perf_counter()
         call = stub.Process(metadata=((BODY_METADATA, BODY_ONLY),
                                       (PATH_METADATA, "/v1/completions"),
-                                      (OBSERVE_METADATA, "async" if self.observe else "off")))
+                                      (OBSERVE_METADATA, self.mode)))
         await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(
             body=body, end_of_stream=True)))
         routed = await call.read()
@@ -137,10 +155,44 @@ class Driver:
             pass
         if ok and self.observe:
             lb = routed.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value  # type: ignore[union-attr]
-            t = asyncio.create_task(self._observe(stub, lb))
+            t = asyncio.create_task(self._log(k, lb) if UNOBSERVED_KEY in lb.fields
+                                    else self._observe(stub, lb))
             self.pending.add(t)
             t.add_done_callback(self.pending.discard)
         return ms, ok
+
+    async def _log(self, k: int, lb: Any) -> None:
+        """Envoy's access log entry at the request's end, on process ``k``'s log stream:
+        the decision in envoy.lb, the usage Envoy's Lua filter read, the worker, status and
+        timings."""
+        if k not in self.logs:
+            self.logs[k] = (self.log_stubs[k].StreamAccessLogs(), asyncio.Lock())
+        call, lock = self.logs[k]
+        entry = al.HTTPAccessLogEntry()
+        c = entry.common_properties
+        c.metadata.filter_metadata[LB_METADATA_NAMESPACE].CopyFrom(lb)
+        c.metadata.filter_metadata[USAGE_NAMESPACE].update(
+            {"cached_tokens": 4096, "completion_tokens": 1})
+        host, port = lb.fields[CHOSEN_KEY].string_value.rsplit(":", 1)
+        c.upstream_remote_address.socket_address.address = host
+        c.upstream_remote_address.socket_address.port_value = int(port)
+        c.time_to_last_rx_byte.FromMicroseconds(100)
+        c.time_to_first_upstream_rx_byte.FromMicroseconds(600)
+        c.time_to_last_downstream_tx_byte.FromMicroseconds(700)
+        entry.response.response_code.value = 200
+        async with lock:  # one write at a time on a stream
+            await call.write(als.StreamAccessLogsMessage(
+                http_logs=als.StreamAccessLogsMessage.HTTPAccessLogEntries(
+                    log_entry=[entry])))
+
+    async def close(self) -> None:
+        """End the log streams (as Envoy does when it stops), then the channels."""
+        for call, lock in self.logs.values():
+            async with lock:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await call.done_writing()
+                    await call
+        await asyncio.gather(*(c.close() for c in self.channels))
 
     async def _observe(self, stub: Any, lb: Any) -> None:
         """The observing stream: request headers with the routing answer's envoy.lb metadata
@@ -344,7 +396,7 @@ async def run_cell(ports: list[int], pids: list[int], tokens: int, nw: int, rate
             sustained = rate
         else:
             break
-    await asyncio.gather(*(c.close() for c in drv.channels))
+    await drv.close()
     # CPU per request where the process was busiest without falling behind: what one core
     # would sustain if the process had it to itself.
     busy = [s for s in steps if s["answered"] >= 0.95 and s["rate"] > rates[0]] or steps

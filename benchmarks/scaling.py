@@ -1,21 +1,23 @@
 """How the gateway's cost grows: with the prompt, the workers, the directory, the processes.
 
 The gateway's ext_proc service is driven by the Envoy-shaped gRPC driver of
-``extproc_throughput.py`` (a routing stream with the whole body, then an observing stream),
-without Envoy, against fake idle vLLM workers (one process answers every worker's
+``extproc_throughput.py`` (a routing stream with the whole body, then, as Envoy's default
+bootstrap does for an answer that is not streamed, an access log entry at its end), without
+Envoy, against fake idle vLLM workers (one process answers every worker's
 ``/metrics``). Five sweeps, each printed as a table (the first four plotted too):
 
 * **prompt size** (1 KB … 1 MB): the routing answer's latency (closed loop, one request in
   flight; p50) and the gateway's CPU per request (``/proc``, all its threads), for the
   gateway in approximate mode (its default), a no-op Python ext_proc server handling the
-  same body (the design's floor), the no-op server taking each request's observing stream
-  too (the floor of the default configuration, which observes every response), with
-  ``--routing-only`` the gateway without its observing stream, with ``--logged`` the gateway
-  recording every decision (``--decision-log``), and, with ``--tokenizer``, exact mode
-  (``--vllm-hash-seed 0``); prompts share a long prefix (a document, then a tail of their
-  own);
+  same body (the design's floor), the no-op server taking an observing stream for each
+  request too (the floor of ``--observe-until end``, which observes every response whole,
+  the default until 2026-12-07), with ``--routing-only`` the gateway without observation,
+  with ``--logged`` the gateway recording every decision (``--decision-log``), and, with
+  ``--tokenizer``, exact mode (``--vllm-hash-seed 0``); prompts share a long prefix (a
+  document, then a tail of their own);
 * **streamed responses**: CPU per request against the response body messages each
-  observing stream carries (``--response-chunks``), gateway and no-op floor;
+  observing stream carries (``--response-chunks``) when observed whole (``--observe-until
+  end``), gateway and no-op floor;
 * **workers** (2 … 256) at ``--workers-kb``;
 * **directory size**: memory per million blocks, and match / insert time against a
   directory of that size (in process);
@@ -139,11 +141,14 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
 
 
 async def closed_loop(ports: list[int], pids: list[int], bodies: list[bytes], n: int,
-                      observe: bool, inflight: int = 1, response_chunks: int = 1
-                      ) -> dict[str, Any]:
+                      observe: bool, inflight: int = 1, response_chunks: int = 1,
+                      until_first_token: bool = True) -> dict[str, Any]:
     """``n`` requests, ``inflight`` at a time: routing-answer latency, rate, CPU/request;
-    observed responses of ``response_chunks`` body messages."""
-    drv = Driver(ports, observe=observe, response_chunks=response_chunks)
+    observed as the default bootstrap does (``until_first_token``; these answers are not
+    streamed, so an access log entry alone ends each), or whole with ``response_chunks``
+    body messages."""
+    drv = Driver(ports, observe=observe, response_chunks=response_chunks,
+                 until_first_token=until_first_token)
     for b in bodies[:min(20, len(bodies))]:
         await drv.one(b)
     while drv.pending:
@@ -167,7 +172,7 @@ async def closed_loop(ports: list[int], pids: list[int], bodies: list[bytes], n:
         await asyncio.sleep(0.01)
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(pids) - cpu0
-    await asyncio.gather(*(c.close() for c in drv.channels))
+    await drv.close()
     return {"n": len(lat), "errors": errors, "p50_ms": float(np.percentile(lat, 50)),
             "p99_ms": float(np.percentile(lat, 99)), "rps": len(lat) / wall,
             "cpu_ms_per_request": cpu * 1000 / max(1, len(lat))}
@@ -241,7 +246,8 @@ def sweep_responses(procs: Procs, workers: list[str], args: argparse.Namespace
     def measure(chunks: int, kind: str, server: tuple[subprocess.Popen[bytes], list[int]]
                 ) -> dict[str, Any]:
         r = asyncio.run(closed_loop(server[1], family(server[0]), bodies, args.requests,
-                                    observe=True, response_chunks=chunks))
+                                    observe=True, response_chunks=chunks,
+                                    until_first_token=False))
         print(f"  {chunks:>4} response messages {kind:>12}: "
               f"{r['cpu_ms_per_request']:6.2f} CPU ms/req", flush=True)
         return {"chunks": chunks, "kind": kind, **r}
