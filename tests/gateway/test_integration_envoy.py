@@ -393,3 +393,20 @@ def test_an_answer_that_is_not_streamed_needs_no_observing_stream(tmp_path) -> N
             assert out["completion_tokens"] == 8
             if k:
                 assert out["cached_tokens"] > 0  # the shared system prompt
+
+
+def test_an_answer_that_is_not_streamed_is_not_ended_before_it_is(tmp_path) -> None:
+    """Its routing stream stays open until Envoy ends the request, and the access log entry
+    is awaited only from then (``logged_grace_s``, 5 s): an answer longer than that is not
+    released early, and its outcome is the log's."""
+    with LocalStack(StackConfig(workers=2, speed=1.0, decision_log=str(tmp_path / "d"))
+                    ) as stack:
+        t0 = time.perf_counter()
+        r = httpx.post(stack.url + "/v1/chat/completions", json=chat("slow", max_tokens=500),
+                       timeout=60)
+        took = time.perf_counter() - t0
+        assert r.status_code == 200 and took > 6.0  # longer than the grace
+        out = until(lambda: _recorded_with_outcome(stack, r.headers["x-cachepilot-decision-id"]),
+                    what="outcome")["record"]["outcome"]
+    assert not out["aborted"] and out["completion_tokens"] == 500
+    assert out["first_byte_ms"] > 5000

@@ -340,15 +340,27 @@ def test_an_answer_that_is_not_streamed_is_ended_by_the_access_log_alone() -> No
     d = s.ex.decision
     lb = out.dynamic_metadata.fields["envoy.lb"].struct_value.fields
     assert lb[UNOBSERVED_KEY].string_value == "1"
-    p.streams.routing_ended(s)
+    assert p.streams.awaits_end(s)  # the stream stays open until Envoy ends the request
     w = p.router.pools["default"].workers[d.chosen]
     assert not s.ex.done and w.inflight == 1 and d.id not in p.streams.handover.live
+    p.streams.routing_ended(s)  # Envoy ended the request: its entry is due
     now[0] = 100.9  # the entry arrives a while after the answer's end
     p.streams.logged(access_log_entry(d.id, upstream=d.chosen, body_in_s=0.010,
                                       first_byte_in_s=0.260, usage={"cached_tokens": 5}))
     out = p.sink.outcomes[d.id]
     assert w.inflight == 0 and not out["aborted"] and out["cached_tokens"] == 5
     assert out["ttft_kind"] == "first_byte" and out["first_byte_ms"] == pytest.approx(250.0)
+    assert not p.streams.handover.ended
+    # The client left before Envoy applied the routing answer: the request ends (its stream
+    # closes) and no entry names the decision; released once the grace has passed.
+    s = p.stream(body_only=True, path="/v1/chat/completions", observe="first-token")
+    p.handle(s, body(chat(), eos=True))
+    p.streams.routing_ended(s)
+    p.streams.sweep(now[0] + 4.0)
+    assert not s.ex.done
+    p.streams.sweep(now[0] + 5.0)
+    assert s.ex.done and p.sink.outcomes[s.ex.decision.id]["aborted"]
+    assert not p.streams.handover.unlogged and not p.streams.handover.ended
     # Streamed, the same request is observed (until its first token).
     s = p.stream(body_only=True, path="/v1/chat/completions", observe="first-token")
     [out] = p.handle(s, body(chat(stream=True), eos=True))

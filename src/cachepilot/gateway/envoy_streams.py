@@ -103,6 +103,9 @@ class Handover:
         # oldest first, with when they were routed.
         self.unlogged: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
         self.via: dict[str, str] = {}  # of those, the Envoy (host) that routed each
+        # Of those, the ones with no observing stream whose request Envoy has ended (their
+        # routing stream closed), oldest first, with when: the entry is due.
+        self.ended: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
 
     def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False,
                via: str = "", observed: bool = True) -> None:
@@ -118,6 +121,7 @@ class Handover:
         """The exchange whose access log entry this is (forgotten here), if it awaits one."""
         ex = self.unlogged.pop(decision_id, (None, 0.0))[0]
         self.via.pop(decision_id, None)
+        self.ended.pop(decision_id, None)
         if ex is not None:  # the entry came before its observing stream: none will
             self.live.pop(decision_id, None)
             self.unobserved.pop(decision_id, None)
@@ -144,6 +148,7 @@ class Handover:
         self.unobserved.pop(d.id, None)
         self.unlogged.pop(d.id, None)
         self.via.pop(d.id, None)
+        self.ended.pop(d.id, None)
 
     def sweep(self, now: float, after_s: float) -> list[Exchange]:
         """Exchanges parked longer than ``after_s`` (forgotten here; the caller ends them)."""
@@ -152,6 +157,7 @@ class Handover:
             self.live.pop(decision_id, None)
             self.unlogged.pop(decision_id, None)
             self.via.pop(decision_id, None)
+            self.ended.pop(decision_id, None)
             if not ex.done:
                 out.append(ex)
         return out
@@ -162,7 +168,18 @@ class Handover:
         old = _older(self.unlogged, now, after_s)
         for decision_id, _ in old:
             self.via.pop(decision_id, None)
+            self.ended.pop(decision_id, None)
         return [ex for _, ex in old if not ex.done]
+
+    def sweep_ended(self, now: float, grace_s: float) -> list[Exchange]:
+        """Exchanges whose request ended ``grace_s`` ago with no access log entry since
+        (forgotten here; the caller ends them)."""
+        out = []
+        for decision_id, ex in _older(self.ended, now, grace_s):
+            self.logged(decision_id)  # forgotten everywhere
+            if not ex.done:
+                out.append(ex)
+        return out
 
 
 def _older(parked: OrderedDict[str, tuple[Exchange, float]], now: float, after_s: float
@@ -319,16 +336,25 @@ class EnvoyStreams:
 
         return Pending(self.director, s.ex, routed, then, lambda err: [immediate(err)])
 
+    def awaits_end(self, s: RoutingStream) -> bool:
+        """Whether the routing stream stays open after its answer until Envoy ends the
+        request: routed, with no observing stream (:func:`_log_only`), its end is the
+        request's end, however it ended (its access log entry says how)."""
+        return s.ex.decision is not None and not s.ex.done and _log_only(s)
+
     def routing_ended(self, s: RoutingStream) -> None:
         """A routing stream closed. A routed exchange waits for its observing stream (which
-        ends it); otherwise the request is over, however it ended."""
+        ends it) or, with none, for its access log entry (due now: Envoy ended the request);
+        otherwise the request is over, however it ended."""
         ex, d = s.ex, s.ex.decision
         if d is not None and not ex.done and not s.sees_response:
             if d.id in self.handover.live:
                 self.handover.park(d, ex, self.director.clock())
                 return
-            if d.id in self.handover.unlogged:  # its observer or Envoy's log will end it
-                return
+            if d.id in self.handover.unlogged:
+                if _log_only(s):  # Envoy ended the request: its entry is due
+                    self.handover.ended[d.id] = (ex, self.director.clock())
+                return  # its observer, or the access log, ends it
         if d is not None:
             self.handover.forget(d)
         self.director.finish(ex, aborted=True)
@@ -431,6 +457,11 @@ class EnvoyStreams:
             log.warning("no observing stream for decision %s after %.0fs; released as "
                         "aborted (is Envoy's config the gateway's?)",
                         ex.decision.id if ex.decision else "?", limit)
+            self.director.finish(ex, aborted=True)
+        for ex in self.handover.sweep_ended(now, self.options.logged_grace_s):
+            log.info("decision %s: the request ended with no access log entry (the client left "
+                     "before the routing answer applied?); released as aborted",
+                     ex.decision.id if ex.decision else "?")
             self.director.finish(ex, aborted=True)
         limit = self.options.unlogged_after_s
         for ex in self.handover.sweep_unlogged(now, limit):

@@ -94,7 +94,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         s.envoy = envoy_host(context)
         # A body-only stream whose response goes elsewhere (an observing stream, or nowhere)
         # is done once its one message is answered: end it then, rather than wake again for
-        # Envoy's close at the request's end (Envoy ignores a stream its server closed).
+        # Envoy's close at the request's end (Envoy ignores a stream its server closed);
+        # unless no observing stream will come: then that close is the request's end.
         done_after_answer = s.body_only and s.observe != "sync"
         try:
             async for msg in request_iterator:
@@ -109,7 +110,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 except Exception:
                     log.exception("ext_proc message failed")
                     yield _internal_error(self.director, s.ex)
-                if done_after_answer:
+                if done_after_answer and not self.streams.awaits_end(s):
                     return
         finally:
             self.streams.routing_ended(s)
