@@ -90,8 +90,14 @@ def test_shape_of_the_bootstrap() -> None:
     assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
                      "cachepilot.observe", "envoy.filters.http.lua", "envoy.filters.http.router"]
     [access_log] = hcm["typed_config"]["access_log"]
+    # Its own connection to the gateway: never behind the routing streams' long bodies.
     assert access_log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"][
-        "cluster_name"] == "cachepilot_ext_proc"
+        "cluster_name"] == "cachepilot_access_log_p0"
+    log_cluster = clusters["cachepilot_access_log_p0"]
+    assert log_cluster["load_assignment"] == {
+        **clusters["cachepilot_ext_proc"]["load_assignment"],
+        "cluster_name": "cachepilot_access_log_p0"}
+    assert log_cluster["per_connection_buffer_limit_bytes"] >= 16 << 20
     assert access_log["filter"]["metadata_filter"]["matcher"]["path"] == [
         {"key": "x-cachepilot-decision-id"}]  # only what the gateway routed
     observer = hcm["typed_config"]["http_filters"][2]["typed_config"]
@@ -217,7 +223,9 @@ def test_each_process_observes_what_it_routed() -> None:
     # Each process's access log gets the entries of the requests it routed.
     logs = hcm["typed_config"]["access_log"]
     assert [a["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
-            for a in logs] == ["cachepilot_ext_proc_p0", "cachepilot_ext_proc_p1"]
+            for a in logs] == ["cachepilot_access_log_p0", "cachepilot_access_log_p1"]
+    assert ports("cachepilot_access_log_p0") == [9003]
+    assert ports("cachepilot_access_log_p1") == [9004]
     assert [a["filter"]["metadata_filter"]["matcher"]["value"]["string_match"] for a in logs] \
         == [{"prefix": "p0."}, {"prefix": "p1."}]
 
@@ -256,7 +264,15 @@ def test_requests_per_worker_connection_limit_every_cluster_to_workers(workers) 
     base = dict(workers=workers, fail_open=True, fallback_workers=("127.0.0.1:9",))
     assert set(per_connection(EnvoyOptions(**base)).values()) == {None}
     limited = per_connection(EnvoyOptions(**base, worker_requests_per_connection=1))
-    assert limited == {"cachepilot_ext_proc": None, "cachepilot_workers": 1,
+    assert limited == {"cachepilot_ext_proc": None, "cachepilot_access_log_p0": None,
+                       "cachepilot_workers": 1,
                        "cachepilot_fallback": 1}
     with pytest.raises(ValueError, match="worker_requests_per_connection"):
         EnvoyOptions(worker_requests_per_connection=-1)
+
+
+def test_replicas_behind_one_envoy_must_observe_on_the_routing_stream() -> None:
+    with pytest.raises(ValueError, match="observe_async=False"):
+        EnvoyOptions(ext_proc_more_ports=(9100,))
+    EnvoyOptions(ext_proc_more_ports=(9100,), observe_async=False)
+    EnvoyOptions(ext_proc_more_ports=(9100,), observe_responses=False)

@@ -199,6 +199,11 @@ class EnvoyOptions:
         if self.ext_proc_processes < 1 or (self.ext_proc_processes > 1
                                            and self.ext_proc_more_ports):
             raise ValueError("ext_proc_processes is 1 or more, and excludes more ports")
+        if self.ext_proc_more_ports and self.observe_responses and self.observe_async:
+            # Envoy balances the observing stream and the access log on their own: they may
+            # reach a replica that did not route the request.
+            raise ValueError("several gateway replicas behind one Envoy observe responses on "
+                             "the routing stream (observe_async=False)")
         if self.worker_requests_per_connection < 0:
             raise ValueError("worker_requests_per_connection is 0 (no limit) or more")
 
