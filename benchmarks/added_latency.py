@@ -80,13 +80,15 @@ PEERS = {"sglang": ("sglang-router", "launch", "warn", "readiness"),
          "vllm": ("vllm-router", None, "warning", "health")}
 
 
-def direct_bootstrap(port: int, admin: int, worker: str) -> dict:
-    """The gateway's bootstrap minus ext_proc, routing to the worker as a static cluster."""
+def direct_bootstrap(port: int, admin: int, *workers: str) -> dict:
+    """The gateway's bootstrap minus ext_proc, routing to the workers as a static cluster
+    (round robin): plain Envoy."""
     cfg = build_bootstrap(EnvoyOptions(listen_address="127.0.0.1", listen_port=port,
                                        admin_port=admin, fail_open=True,
-                                       fallback_workers=(worker,)))
+                                       fallback_workers=workers))
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
     hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][-1:]
+    hcm["typed_config"].pop("access_log", None)  # no gateway to log to
     vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
     vhost["routes"] = vhost["routes"][-1:]  # only the fallback (static) route
     return cfg

@@ -48,6 +48,7 @@ from cachepilot.tooling.procs import wait_http_ok
 from cachepilot.tooling.stack import envoy_binary, free_port, free_port_run
 
 sys.path.insert(0, str(Path(__file__).parent))
+from added_latency import direct_bootstrap
 from extproc_throughput import cpu_seconds
 
 MODEL = "sim-llama-8b"
@@ -81,18 +82,6 @@ end
 """
 
 
-def envoy_only(port: int, admin: int, workers: list[str]) -> dict[str, Any]:
-    """The gateway's bootstrap without ext_proc: round robin to the workers."""
-    cfg = build_bootstrap(EnvoyOptions(listen_address="127.0.0.1", listen_port=port,
-                                       admin_port=admin, fail_open=True,
-                                       fallback_workers=tuple(workers)))
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1]
-    hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][-1:]
-    vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
-    vhost["routes"] = vhost["routes"][-1:]
-    return cfg
-
-
 class Bench:
     """The processes of one run, each logging to its own file; stopped by their ids."""
 
@@ -119,7 +108,7 @@ class Bench:
     def router(self, name: str, workers: list[str]) -> tuple[int, list[str]]:
         """Start router ``name``; its HTTP port and the URLs that say it is ready."""
         if name == "envoy":
-            return self.envoy(name, envoy_only(free_port(), free_port(), workers)), []
+            return self.envoy(name, direct_bootstrap(free_port(), free_port(), *workers)), []
         if name in PEERS:
             exe, sub, quiet, health = PEERS[name]
             port = free_port()
