@@ -121,8 +121,8 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
         return p, [port]
     gport = free_port_run(processes + (processes > 1))
     aport = free_port_run(processes)
-    # Each kind's flags over approximate mode: without the observing stream, recording every
-    # decision and outcome, exact.
+    # Each kind's flags over approximate mode: without observation, recording every decision
+    # and outcome, exact.
     extra = {"routing-only": ["--no-observe-responses"],
              "logged": ["--decision-log", str(procs.tmp / f"decisions-{gport}")],
              "exact": ["--tokenizer", str(args.tokenizer), "--vllm-hash-seed", "0"],
@@ -325,7 +325,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="prompt sweep rounds, interleaved")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json: exact mode too")
     ap.add_argument("--routing-only", action="store_true",
-                    help="also approximate mode without the observing stream (what it costs)")
+                    help="also approximate mode without observation (what it costs)")
     ap.add_argument("--logged", action="store_true",
                     help="also approximate mode with a decision log (what recording costs)")
     ap.add_argument("--exact-max-kb", type=float, default=220)
@@ -398,11 +398,14 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
                   ("routing-only", "noop"), ("logged", "approximate")]
         floors = [(a, b) for a, b in floors if a in kinds and b in kinds]
         lines += ["## Prompt size", "", "Routing answer p50 (ms) / gateway CPU per request "
-                  "(ms). `noop`: the no-op server on the routing stream alone; `noop+observe`: "
-                  "it also takes each request's observing stream (and answers nothing), as "
-                  "the gateway's default configuration sends it; `routing-only`: the gateway "
-                  "without the observing stream; `logged`: the gateway recording every "
-                  "decision and outcome (`--decision-log`). The ratios are CPU over CPU.", "",
+                  "(ms). `approximate`: the gateway as Envoy's default bootstrap drives it "
+                  "(these answers are not streamed: the routing stream, then an access log "
+                  "entry, no observing stream); `noop`: the no-op server on the routing stream "
+                  "alone; `noop+observe`: it also takes an observing stream per request (and "
+                  "answers nothing), as `--observe-until end` sends it (the default until "
+                  "2026-12-07); `routing-only`: the gateway without observation; `logged`: the "
+                  "gateway recording every decision and outcome (`--decision-log`). The ratios "
+                  "are CPU over CPU.", "",
                   "| KB | " + " | ".join(kinds) + " | "
                   + " | ".join(f"{a} ÷ {b}" for a, b in floors) + " |",
                   "|---:|" + "---:|" * (len(kinds) + len(floors))]
