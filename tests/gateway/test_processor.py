@@ -214,11 +214,12 @@ def test_a_request_no_observing_stream_takes_over_is_released_later() -> None:
 
 def _first_token_exchange(p: Box):
     """A request routed on a stream Envoy's default config opened (observed until the first
-    token), its routing stream ended, its observing stream bound."""
+    token), its observing stream bound; its routing stream stays open until Envoy ends the
+    request."""
     s, _ = exchange(p, chat(stream=True))
     s.observe = "first-token"
     p.streams._routed(s, s.ex.decision)  # what routing a first-token stream registers
-    p.streams.routing_ended(s)
+    assert p.streams.awaits_end(s)
     d = s.ex.decision
     obs = p.observe(None, headers("/v1/chat/completions", **{DECISION_HEADER: d.id}))
     assert obs is s.ex
@@ -286,6 +287,23 @@ def test_a_request_whose_access_log_entry_never_comes_is_released_later() -> Non
     p.streams.sweep(161.0)
     assert w.inflight == 0 and p.sink.outcomes[d.id]["aborted"]
     assert not p.streams.handover.unlogged
+
+
+def test_a_request_that_ended_without_an_access_log_entry_is_released_after_the_grace() -> None:
+    now = [100.0]
+    p = Box(clock=lambda: now[0], options=GatewayOptions(logged_grace_s=5.0))
+    s, d, w = _first_token_exchange(p)
+    p.observe(s.ex, headers("", response=True))
+    p.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
+    p.streams.observing_ended(s.ex)  # closed at the first token
+    now[0] = 130.0
+    p.streams.routing_ended(s)  # Envoy ended the request; its entry was lost
+    p.streams.sweep(134.0)
+    assert w.inflight == 1
+    p.streams.sweep(135.0)
+    assert w.inflight == 0 and p.sink.outcomes[d.id]["aborted"]
+    assert p.sink.outcomes[d.id]["ttft_kind"] == "first_token"  # what was seen is kept
+    assert not p.streams.handover.unlogged and not p.streams.handover.ended
 
 
 def test_an_envoy_whose_access_log_closes_releases_the_requests_it_routed(proc) -> None:

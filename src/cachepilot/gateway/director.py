@@ -64,11 +64,11 @@ class GatewayOptions:
     # Envoy's access log has not reported after this long never gets it (the log stream was
     # down, or Envoy dropped the entry): released as aborted. Longer than any answer.
     unlogged_after_s: float = 3600.0
-    # An answer that is not streamed, observed until the first token, has no observing
-    # stream: its routing stream stays open until Envoy ends the request, and its access log
-    # entry (on another connection, so it may come a little later) is awaited this long
-    # after that end before the request is released as aborted (the client left before
-    # Envoy applied the routing answer, so no entry names the decision).
+    # Observed until the first token, a request's routing stream stays open until Envoy
+    # ends the request, and its access log entry (on another connection, so it may come a
+    # little later) is awaited this long after that end before the request is released as
+    # aborted (the client left before Envoy applied the routing answer, so no entry names
+    # the decision; or the entry was lost).
     logged_grace_s: float = 5.0
     # Which ext_proc protocol a stream speaks: "cachepilot" (Envoy configured by the
     # gateway's bootstrap), "epp" (the endpoint picker protocol, any gateway), or "auto": a

@@ -338,9 +338,10 @@ class EnvoyStreams:
 
     def awaits_end(self, s: RoutingStream) -> bool:
         """Whether the routing stream stays open after its answer until Envoy ends the
-        request: routed, with no observing stream (:func:`_log_only`), its end is the
-        request's end, however it ended (its access log entry says how)."""
-        return s.ex.decision is not None and not s.ex.done and _log_only(s)
+        request: routed for Envoy's access log to end (observed until the first token), its
+        close is the request's end however it ended, and bounds the wait for the entry."""
+        d = s.ex.decision
+        return d is not None and not s.ex.done and d.id in self.handover.unlogged
 
     def routing_ended(self, s: RoutingStream) -> None:
         """A routing stream closed. A routed exchange waits for its observing stream (which
@@ -348,13 +349,12 @@ class EnvoyStreams:
         otherwise the request is over, however it ended."""
         ex, d = s.ex, s.ex.decision
         if d is not None and not ex.done and not s.sees_response:
+            if d.id in self.handover.unlogged:  # Envoy ended the request: its entry is due
+                self.handover.ended[d.id] = (ex, self.director.clock())
+                return
             if d.id in self.handover.live:
                 self.handover.park(d, ex, self.director.clock())
                 return
-            if d.id in self.handover.unlogged:
-                if _log_only(s):  # Envoy ended the request: its entry is due
-                    self.handover.ended[d.id] = (ex, self.director.clock())
-                return  # its observer, or the access log, ends it
         if d is not None:
             self.handover.forget(d)
         self.director.finish(ex, aborted=True)

@@ -95,7 +95,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         # A body-only stream whose response goes elsewhere (an observing stream, or nowhere)
         # is done once its one message is answered: end it then, rather than wake again for
         # Envoy's close at the request's end (Envoy ignores a stream its server closed);
-        # unless no observing stream will come: then that close is the request's end.
+        # unless Envoy's access log will end the request: that close bounds the wait for it.
         done_after_answer = s.body_only and s.observe != "sync"
         try:
             async for msg in request_iterator:
