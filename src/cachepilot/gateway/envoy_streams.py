@@ -22,8 +22,10 @@ config): the gateway closes the observing stream once the first token has come (
 sends it nothing more; grpc.aio costs ~40 µs a message, and a streamed answer is one message
 per event), and Envoy's access log entry, at the response's end, ends the exchange with its
 status and the usage Envoy's Lua filter read (:meth:`EnvoyStreams.logged`). One whose entry
-will not come is released as aborted: when the Envoy that routed it closes its last access
-log stream (:meth:`EnvoyStreams.access_log_closed`), or after ``unlogged_after_s``.
+will not come is released as aborted: ``logged_grace_s`` after Envoy ended the request (the
+routing stream stays open until then), when the Envoy that routed it closes its last
+access log stream (:meth:`EnvoyStreams.access_log_closed`), or after ``unlogged_after_s``.
+An answer that is not streamed has no observing stream at all (:func:`_log_only`).
 """
 
 from __future__ import annotations
