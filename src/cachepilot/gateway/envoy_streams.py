@@ -31,7 +31,7 @@ An answer that is not streamed has no observing stream at all (:func:`_log_only`
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +50,7 @@ from cachepilot.gateway.director import (
     Phase,
     Turn,
 )
+from cachepilot.gateway.handover import Handover
 from cachepilot.gateway.protocol import (
     CHOSEN_KEY,
     DECISION_HEADER,
@@ -92,109 +93,6 @@ class RoutingStream:
     chunks: int = 0  # request body messages not yet answered
     headers: dict[str, str] = field(default_factory=dict)  # what flow control reads
     envoy: str = ""  # the Envoy that opened it, by host (its access log's, see EnvoyStreams)
-
-
-class Handover:
-    """Routed exchanges an observing stream will take over, by decision id, and those whose
-    routing stream ended before one did (oldest first)."""
-
-    def __init__(self) -> None:
-        self.live: dict[str, Exchange] = {}
-        self.unobserved: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
-        # Exchanges Envoy's access log ends (observed until the first token), by decision id,
-        # oldest first, with when they were routed.
-        self.unlogged: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
-        self.via: dict[str, str] = {}  # of those, the Envoy (host) that routed each
-        # Of those, the ones with no observing stream whose request Envoy has ended (their
-        # routing stream closed), oldest first, with when: the entry is due.
-        self.ended: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
-
-    def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False,
-               via: str = "", observed: bool = True) -> None:
-        """``observed``: an observing stream will take it over; ``logged``: Envoy's access
-        log ends it (``via`` that Envoy)."""
-        if observed:
-            self.live[d.id] = ex
-        if logged:
-            self.unlogged[d.id] = (ex, now)
-            self.via[d.id] = via
-
-    def logged(self, decision_id: str) -> Exchange | None:
-        """The exchange whose access log entry this is (forgotten here), if it awaits one."""
-        ex = self.unlogged.pop(decision_id, (None, 0.0))[0]
-        self.via.pop(decision_id, None)
-        self.ended.pop(decision_id, None)
-        if ex is not None:  # the entry came before its observing stream: none will
-            self.live.pop(decision_id, None)
-            self.unobserved.pop(decision_id, None)
-        return ex
-
-    def unlogged_via(self, envoy: str) -> list[Exchange]:
-        """The exchanges ``envoy`` routed that await their access log entry (forgotten
-        here; the caller ends them)."""
-        ids = [i for i, e in self.via.items() if e == envoy]
-        return [ex for i in ids if (ex := self.logged(i)) is not None and not ex.done]
-
-    def park(self, d: Decision, ex: Exchange, now: float) -> None:
-        """The routing stream ended first: wait for the observing stream."""
-        self.unobserved[d.id] = (ex, now)
-
-    def take(self, decision_id: str | None) -> Exchange | None:
-        ex = None if decision_id is None else self.live.pop(decision_id, None)
-        if ex is not None:
-            self.unobserved.pop(decision_id, None)  # type: ignore[arg-type]
-        return ex
-
-    def forget(self, d: Decision) -> None:
-        self.live.pop(d.id, None)
-        self.unobserved.pop(d.id, None)
-        self.unlogged.pop(d.id, None)
-        self.via.pop(d.id, None)
-        self.ended.pop(d.id, None)
-
-    def sweep(self, now: float, after_s: float) -> list[Exchange]:
-        """Exchanges parked longer than ``after_s`` (forgotten here; the caller ends them)."""
-        out = []
-        for decision_id, ex in _older(self.unobserved, now, after_s):
-            self.live.pop(decision_id, None)
-            self.unlogged.pop(decision_id, None)
-            self.via.pop(decision_id, None)
-            self.ended.pop(decision_id, None)
-            if not ex.done:
-                out.append(ex)
-        return out
-
-    def sweep_unlogged(self, now: float, after_s: float) -> list[Exchange]:
-        """Exchanges whose access log entry has not come within ``after_s`` of routing (the
-        finished ones forgotten too; the caller ends the others)."""
-        old = _older(self.unlogged, now, after_s)
-        for decision_id, _ in old:
-            self.via.pop(decision_id, None)
-            self.ended.pop(decision_id, None)
-        return [ex for _, ex in old if not ex.done]
-
-    def sweep_ended(self, now: float, grace_s: float) -> list[Exchange]:
-        """Exchanges whose request ended ``grace_s`` ago with no access log entry since
-        (forgotten here; the caller ends them)."""
-        out = []
-        for decision_id, ex in _older(self.ended, now, grace_s):
-            self.logged(decision_id)  # forgotten everywhere
-            if not ex.done:
-                out.append(ex)
-        return out
-
-
-def _older(parked: OrderedDict[str, tuple[Exchange, float]], now: float, after_s: float
-           ) -> list[tuple[str, Exchange]]:
-    """Take the entries of ``parked`` (oldest first) that have waited ``after_s``."""
-    out = []
-    while parked:
-        decision_id, (ex, since) = next(iter(parked.items()))
-        if now - since < after_s:
-            break
-        parked.popitem(last=False)
-        out.append((decision_id, ex))
-    return out
 
 
 class EnvoyStreams:
