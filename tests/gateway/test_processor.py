@@ -9,7 +9,7 @@ from cachepilot.core import WorkerMetrics
 from cachepilot.gateway.director import GatewayOptions, Phase
 from cachepilot.gateway.envoy_streams import RoutingStream
 from cachepilot.gateway.protocol import DECISION_HEADER, DESTINATION_HEADER, WORKER_HEADER
-from cachepilot.gateway.service import ExtProcServicer, envoy_host
+from cachepilot.gateway.service import ExtProcServicer
 
 from helpers.extproc_msgs import access_log_entry, body, headers, set_headers
 from helpers.gateway_box import Box
@@ -304,45 +304,6 @@ def test_a_request_that_ended_without_an_access_log_entry_is_released_after_the_
     assert w.inflight == 0 and p.sink.outcomes[d.id]["aborted"]
     assert p.sink.outcomes[d.id]["ttft_kind"] == "first_token"  # what was seen is kept
     assert not p.streams.handover.unlogged and not p.streams.handover.ended
-
-
-def test_an_envoy_whose_access_log_closes_releases_the_requests_it_routed(proc) -> None:
-    ours, theirs = [], []
-    one, two = "ipv4:10.0.0.1", "ipv4:10.0.0.2"
-    for envoy, into in ((one, ours), (two, theirs), (one, ours)):
-        s, _ = exchange(proc, chat(stream=True))
-        s.observe, s.envoy = "first-token", envoy
-        proc.streams._routed(s, s.ex.decision)
-        proc.streams.routing_ended(s)
-        proc.observe(None, headers("/v1/chat/completions", **{DECISION_HEADER: s.ex.decision.id}))
-        proc.observe(s.ex, headers("", response=True))
-        proc.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
-        proc.streams.observing_ended(s.ex)  # closed at the first token
-        into.append(s.ex)
-    for _ in range(2):  # one stream per Envoy worker thread
-        proc.streams.access_log_opened("ipv4:10.0.0.1")
-    proc.streams.access_log_opened("ipv4:10.0.0.2")
-    proc.streams.access_log_closed("ipv4:10.0.0.1")  # its other stream still logs
-    assert not any(ex.done for ex in ours + theirs)
-    proc.streams.access_log_closed("ipv4:10.0.0.1")  # that Envoy is gone
-    assert all(proc.sink.outcomes[ex.decision.id]["aborted"] for ex in ours)
-    assert not any(ex.done for ex in theirs)
-    assert list(proc.streams.handover.unlogged) == [theirs[0].decision.id]
-    assert proc.streams.handover.via == {theirs[0].decision.id: "ipv4:10.0.0.2"}
-
-
-def test_an_envoy_is_known_by_its_host_whatever_the_connection() -> None:
-    class Context:
-        def __init__(self, peer: str) -> None:
-            self._peer = peer
-
-        def peer(self) -> str:
-            return self._peer
-
-    assert envoy_host(Context("ipv4:10.1.2.3:40122")) == "ipv4:10.1.2.3"
-    assert envoy_host(Context("ipv6:[::1]:5000")) == "ipv6:[::1]"
-    assert envoy_host(Context("unix:/run/envoy.sock")) == "unix:/run/envoy.sock"
-    assert envoy_host(None) == ""
 
 
 def test_an_answer_that_is_not_streamed_is_ended_by_the_access_log_alone() -> None:

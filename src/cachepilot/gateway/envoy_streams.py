@@ -23,15 +23,14 @@ sends it nothing more; grpc.aio costs ~40 µs a message, and a streamed answer i
 per event), and Envoy's access log entry, at the response's end, ends the exchange with its
 status and the usage Envoy's Lua filter read (:meth:`EnvoyStreams.logged`). One whose entry
 will not come is released as aborted: ``logged_grace_s`` after Envoy ended the request (the
-routing stream stays open until then), when the Envoy that routed it closes its last
-access log stream (:meth:`EnvoyStreams.access_log_closed`), or after ``unlogged_after_s``.
+routing stream stays open until then; an Envoy that dies closes them all), or after
+``unlogged_after_s``.
 An answer that is not streamed has no observing stream at all (:func:`_log_only`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -92,7 +91,6 @@ class RoutingStream:
     body: bytearray = field(default_factory=bytearray)
     chunks: int = 0  # request body messages not yet answered
     headers: dict[str, str] = field(default_factory=dict)  # what flow control reads
-    envoy: str = ""  # the Envoy that opened it, by host (its access log's, see EnvoyStreams)
 
 
 class EnvoyStreams:
@@ -101,7 +99,6 @@ class EnvoyStreams:
     def __init__(self, director: Director) -> None:
         self.director = director
         self.handover = Handover()
-        self.log_streams: Counter[str] = Counter()  # open access log streams, by Envoy host
         flow = director.flow
         self.flow_headers = frozenset(header_names(flow.config)) if flow else frozenset()
 
@@ -219,7 +216,7 @@ class EnvoyStreams:
         if s.observe in ("async", FIRST_TOKEN) or (not s.observe and opts.observe_responses
                                                    and opts.observe_async):
             self.handover.expect(decision, s.ex, self.director.clock(),
-                                 logged=s.observe == FIRST_TOKEN, via=s.envoy,
+                                 logged=s.observe == FIRST_TOKEN,
                                  observed=not _log_only(s))
             self.sweep(s.ex.started)  # also here: the stall watch may be off
 
@@ -287,26 +284,6 @@ class EnvoyStreams:
         if d is not None and ex.first_token_s is not None and d.id in self.handover.unlogged:
             return
         self.director.finish(ex, aborted=True)
-
-    def access_log_opened(self, envoy: str) -> None:
-        self.log_streams[envoy] += 1
-
-    def access_log_closed(self, envoy: str) -> None:
-        """One of ``envoy``'s access log streams ended. When its last one has (Envoy stopped
-        or crashed: it keeps them open while it runs), the requests it routed that still await
-        their entry never get it: released as aborted now rather than after
-        ``unlogged_after_s``. Envoy opens a stream at its first entry, so one that stops
-        before logging anything leaves its requests to that sweep."""
-        self.log_streams[envoy] -= 1
-        if self.log_streams[envoy] > 0:
-            return
-        del self.log_streams[envoy]
-        gone = self.handover.unlogged_via(envoy)
-        if gone:
-            log.warning("Envoy at %s closed its access log; %d request(s) it routed released "
-                        "as aborted", envoy or "?", len(gone))
-        for ex in gone:
-            self.director.finish(ex, aborted=True)
 
     def logged(self, entry: al.HTTPAccessLogEntry) -> None:
         """Envoy's access log entry for a request, at its end: ends the exchange it names

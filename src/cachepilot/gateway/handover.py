@@ -15,7 +15,7 @@ from cachepilot.gateway.director import Exchange
 class Handover:
     """Routed exchanges an observing stream will take over, by decision id, and those whose
     routing stream ended before one did (oldest first); those Envoy's access log will end,
-    the Envoy that routed each, and those whose entry is due."""
+    and those whose entry is due."""
 
     def __init__(self) -> None:
         self.live: dict[str, Exchange] = {}
@@ -23,36 +23,27 @@ class Handover:
         # Exchanges Envoy's access log ends (observed until the first token), by decision id,
         # oldest first, with when they were routed.
         self.unlogged: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
-        self.via: dict[str, str] = {}  # of those, the Envoy (host) that routed each
         # Of those, the ones with no observing stream whose request Envoy has ended (their
         # routing stream closed), oldest first, with when: the entry is due.
         self.ended: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
 
     def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False,
-               via: str = "", observed: bool = True) -> None:
+               observed: bool = True) -> None:
         """``observed``: an observing stream will take it over; ``logged``: Envoy's access
-        log ends it (``via`` that Envoy)."""
+        log ends it."""
         if observed:
             self.live[d.id] = ex
         if logged:
             self.unlogged[d.id] = (ex, now)
-            self.via[d.id] = via
 
     def logged(self, decision_id: str) -> Exchange | None:
         """The exchange whose access log entry this is (forgotten here), if it awaits one."""
         ex = self.unlogged.pop(decision_id, (None, 0.0))[0]
-        self.via.pop(decision_id, None)
         self.ended.pop(decision_id, None)
         if ex is not None:  # the entry came before its observing stream: none will
             self.live.pop(decision_id, None)
             self.unobserved.pop(decision_id, None)
         return ex
-
-    def unlogged_via(self, envoy: str) -> list[Exchange]:
-        """The exchanges ``envoy`` routed that await their access log entry (forgotten
-        here; the caller ends them)."""
-        ids = [i for i, e in self.via.items() if e == envoy]
-        return [ex for i in ids if (ex := self.logged(i)) is not None and not ex.done]
 
     def park(self, d: Decision, ex: Exchange, now: float) -> None:
         """The routing stream ended first: wait for the observing stream."""
@@ -68,7 +59,6 @@ class Handover:
         self.live.pop(d.id, None)
         self.unobserved.pop(d.id, None)
         self.unlogged.pop(d.id, None)
-        self.via.pop(d.id, None)
         self.ended.pop(d.id, None)
 
     def sweep(self, now: float, after_s: float) -> list[Exchange]:
@@ -77,7 +67,6 @@ class Handover:
         for decision_id, ex in _older(self.unobserved, now, after_s):
             self.live.pop(decision_id, None)
             self.unlogged.pop(decision_id, None)
-            self.via.pop(decision_id, None)
             self.ended.pop(decision_id, None)
             if not ex.done:
                 out.append(ex)
@@ -88,7 +77,6 @@ class Handover:
         finished ones forgotten too; the caller ends the others)."""
         old = _older(self.unlogged, now, after_s)
         for decision_id, _ in old:
-            self.via.pop(decision_id, None)
             self.ended.pop(decision_id, None)
         return [ex for _, ex in old if not ex.done]
 

@@ -91,7 +91,6 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         if role == OBSERVE_ROLE:
             await self._observe(request_iterator, until_first_token=s.observe == FIRST_TOKEN)
             return
-        s.envoy = envoy_host(context)
         # A body-only stream whose response goes elsewhere (an observing stream, or nowhere)
         # is done once its one message is answered: end it then, rather than wake again for
         # Envoy's close at the request's end (Envoy ignores a stream its server closed);
@@ -163,24 +162,10 @@ class AccessLogServicer(als_grpc.AccessLogServiceServicer):
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[als.StreamAccessLogsMessage],
                                context: grpc.aio.ServicerContext
                                ) -> als.StreamAccessLogsResponse:
-        envoy = envoy_host(context)
-        self.streams.access_log_opened(envoy)
-        try:
-            async for msg in request_iterator:
-                for entry in msg.http_logs.log_entry:
-                    try:
-                        self.streams.logged(entry)
-                    except Exception:
-                        log.exception("access log entry failed")
-        finally:
-            self.streams.access_log_closed(envoy)
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                try:
+                    self.streams.logged(entry)
+                except Exception:
+                    log.exception("access log entry failed")
         return als.StreamAccessLogsResponse()
-
-
-def envoy_host(context: grpc.aio.ServicerContext | None) -> str:
-    """Which Envoy opened a stream: its peer without the port ("ipv4:10.0.0.7"). An Envoy's
-    routing and access log streams come from one host over different connections; two Envoys
-    on one host to one gateway are taken for one (the chart pairs each with its own)."""
-    peer = (context.peer() if context is not None else "") or ""
-    kind, _, rest = peer.partition(":")
-    return f"{kind}:{rest.rpartition(':')[0]}" if kind in ("ipv4", "ipv6") else peer
