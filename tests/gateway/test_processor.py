@@ -226,6 +226,16 @@ def _first_token_exchange(p: Box):
     return s, d, p.router.pools["default"].workers[d.chosen]
 
 
+def _past_the_first_token(p: Box):
+    """The same, its response started and its first token seen: the gateway closed the
+    observing stream; only the access log (or the routing stream's close) ends it now."""
+    s, d, w = _first_token_exchange(p)
+    p.observe(s.ex, headers("", response=True))
+    p.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
+    p.streams.observing_ended(s.ex)
+    return s, d, w
+
+
 def test_observed_until_the_first_token_the_access_log_ends_the_request(proc) -> None:
     s, d, w = _first_token_exchange(proc)
     proc.observe(s.ex, headers("", response=True, **{WORKER_HEADER: d.chosen}))
@@ -260,10 +270,7 @@ def test_an_access_log_entry_before_the_observing_stream_ends_the_request(proc) 
 
 
 def test_a_client_gone_mid_answer_is_logged_as_aborted(proc) -> None:
-    s, d, w = _first_token_exchange(proc)
-    proc.observe(s.ex, headers("", response=True))
-    proc.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
-    proc.streams.observing_ended(s.ex)
+    _, d, w = _past_the_first_token(proc)
     proc.streams.logged(access_log_entry(d.id, downstream_connection_termination=True))
     assert proc.sink.outcomes[d.id]["aborted"] and w.inflight == 0
 
@@ -278,10 +285,7 @@ def test_before_the_first_token_the_observing_streams_end_still_releases(proc) -
 def test_a_request_whose_access_log_entry_never_comes_is_released_later() -> None:
     now = [100.0]
     p = Box(clock=lambda: now[0], options=GatewayOptions(unlogged_after_s=60.0))
-    s, d, w = _first_token_exchange(p)
-    p.observe(s.ex, headers("", response=True))
-    p.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
-    p.streams.observing_ended(s.ex)
+    _, d, w = _past_the_first_token(p)
     p.streams.sweep(150.0)
     assert w.inflight == 1
     p.streams.sweep(161.0)
@@ -292,10 +296,7 @@ def test_a_request_whose_access_log_entry_never_comes_is_released_later() -> Non
 def test_a_request_that_ended_without_an_access_log_entry_is_released_after_the_grace() -> None:
     now = [100.0]
     p = Box(clock=lambda: now[0], options=GatewayOptions(logged_grace_s=5.0))
-    s, d, w = _first_token_exchange(p)
-    p.observe(s.ex, headers("", response=True))
-    p.observe(s.ex, body(b"data: {}\n\n", eos=False, response=True))
-    p.streams.observing_ended(s.ex)  # closed at the first token
+    s, d, w = _past_the_first_token(p)
     now[0] = 130.0
     p.streams.routing_ended(s)  # Envoy ended the request; its entry was lost
     p.streams.sweep(134.0)

@@ -329,23 +329,21 @@ class EnvoyStreams:
     def sweep(self, now: float) -> None:
         """Release routed requests no observing stream took over in time, and those whose
         access log entry never came (oldest first)."""
-        limit = self.options.unobserved_after_s
-        for ex in self.handover.sweep(now, limit):
-            log.warning("no observing stream for decision %s after %.0fs; released as "
-                        "aborted (is Envoy's config the gateway's?)",
+        h, o = self.handover, self.options
+        for released, level, why, limit in (
+                (h.sweep(now, o.unobserved_after_s), logging.WARNING,
+                 "no observing stream after %.0fs (is Envoy's config the gateway's?)",
+                 o.unobserved_after_s),
+                # Common: a client that left before the routing answer applied.
+                (h.sweep_ended(now, o.logged_grace_s), logging.INFO,
+                 "the request ended %.0fs ago with no access log entry", o.logged_grace_s),
+                (h.sweep_unlogged(now, o.unlogged_after_s), logging.WARNING,
+                 "no access log entry after %.0fs (does Envoy's access log reach the "
+                 "gateway?)", o.unlogged_after_s)):
+            for ex in released:
+                log.log(level, "decision %s: " + why + "; released as aborted",
                         ex.decision.id if ex.decision else "?", limit)
-            self.director.finish(ex, aborted=True)
-        for ex in self.handover.sweep_ended(now, self.options.logged_grace_s):
-            log.info("decision %s: the request ended with no access log entry (the client left "
-                     "before the routing answer applied?); released as aborted",
-                     ex.decision.id if ex.decision else "?")
-            self.director.finish(ex, aborted=True)
-        limit = self.options.unlogged_after_s
-        for ex in self.handover.sweep_unlogged(now, limit):
-            log.warning("no access log entry for decision %s after %.0fs; released as "
-                        "aborted (does Envoy's access log reach the gateway?)",
-                        ex.decision.id if ex.decision else "?", limit)
-            self.director.finish(ex, aborted=True)
+                self.director.finish(ex, aborted=True)
 
     # -- response (either stream) -------------------------------------------------------------
     def _response_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
