@@ -137,7 +137,10 @@ async def test_after_a_bus_outage_the_replicas_catch_up_what_they_missed(
         await eventually(lambda: rb.pools["default"].directory.match(
             fp.hashes, [d.chosen])[d.chosen] > 0, timeout=5)
         assert rb.pools["default"].workers[d.chosen].inflight == 1
-        assert bus_b.counters.reconnects >= 1 and bus_b.counters.catch_ups >= 2
+        # a's heartbeat after its reconnect can bring b the placement before nats-py has
+        # called b's own reconnect callback: wait for that too.
+        await eventually(lambda: bus_b.counters.reconnects >= 1
+                         and bus_b.counters.catch_ups >= 2, timeout=10)
     finally:
         await bus_a.stop()
         await bus_b.stop()
