@@ -290,7 +290,8 @@ def test_a_request_whose_access_log_entry_never_comes_is_released_later() -> Non
     assert w.inflight == 1
     p.streams.sweep(161.0)
     assert w.inflight == 0 and p.sink.outcomes[d.id]["aborted"]
-    assert not p.streams.handover.unlogged
+    h = p.streams.handover
+    assert not h.unlogged and not h.live and not h.unobserved and not h.ended
 
 
 def test_a_request_that_ended_without_an_access_log_entry_is_released_after_the_grace() -> None:

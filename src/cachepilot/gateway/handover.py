@@ -23,8 +23,8 @@ class Handover:
         # Exchanges Envoy's access log ends (observed until the first token), by decision id,
         # oldest first, with when they were routed.
         self.unlogged: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
-        # Of those, the ones with no observing stream whose request Envoy has ended (their
-        # routing stream closed), oldest first, with when: the entry is due.
+        # Of those, the ones whose request Envoy has ended (their routing stream closed),
+        # oldest first, with when: the entry is due.
         self.ended: OrderedDict[str, tuple[Exchange, float]] = OrderedDict()
 
     def expect(self, d: Decision, ex: Exchange, now: float, *, logged: bool = False,
@@ -78,6 +78,8 @@ class Handover:
         old = _older(self.unlogged, now, after_s)
         for decision_id, _ in old:
             self.ended.pop(decision_id, None)
+            self.live.pop(decision_id, None)
+            self.unobserved.pop(decision_id, None)
         return [ex for _, ex in old if not ex.done]
 
     def sweep_ended(self, now: float, grace_s: float) -> list[Exchange]:
