@@ -177,6 +177,11 @@ def router_filter(**fields: Any) -> dict[str, Any]:
         "@type": T + "extensions.filters.http.router.v3.Router", **fields}}
 
 
+def lb_matcher(key: str, value: dict[str, Any]) -> dict[str, Any]:
+    """A route's match on the routing answer's envoy.lb metadata ``key`` (a ValueMatcher)."""
+    return {"filter": LB_METADATA_NAMESPACE, "path": [{"key": key}], "value": value}
+
+
 def picked_or_fallback(name: str, match: dict[str, Any], route: dict[str, Any],
                        headers: list[dict[str, Any]], *, split_routes: bool,
                        fallback: str, by_metadata: bool = False) -> list[dict[str, Any]]:
@@ -187,9 +192,8 @@ def picked_or_fallback(name: str, match: dict[str, Any], route: dict[str, Any],
     if not split_routes:
         return [{"name": name, "match": match, "route": route,
                  "response_headers_to_add": headers}]
-    picked = ({**match, "dynamic_metadata": [{
-        "filter": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}],
-        "value": {"present_match": True}}]} if by_metadata else
+    picked = ({**match, "dynamic_metadata": [
+        lb_matcher(DESTINATION_HEADER, {"present_match": True})]} if by_metadata else
         {**match, "headers": [*match.get("headers", []),
                               {"name": DESTINATION_HEADER, "present_match": True}]})
     return [{"name": f"{name}-picked", "match": picked, "route": route,

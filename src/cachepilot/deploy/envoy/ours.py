@@ -47,6 +47,7 @@ from cachepilot.deploy.envoy.common import (
     fallback_cluster,
     header,
     http_connection_manager,
+    lb_matcher,
     original_dst_cluster,
     override_host_cluster,
     picked_or_fallback,
@@ -315,12 +316,18 @@ def unobserved_route(route: dict[str, Any]) -> dict[str, Any]:
     second gRPC stream for them. Envoy matches it once the routing answer clears the route
     cache."""
     match = copy.deepcopy(route["match"])
-    match["dynamic_metadata"] = [*match.get("dynamic_metadata", []), {
-        "filter": LB_METADATA_NAMESPACE, "path": [{"key": UNOBSERVED_KEY}],
-        "value": {"string_match": {"exact": "1"}}}]
+    match["dynamic_metadata"] = [*match.get("dynamic_metadata", []),
+                                 lb_matcher(UNOBSERVED_KEY, {"string_match": {"exact": "1"}})]
     per_route = {**copy.deepcopy(route["typed_per_filter_config"]), OBSERVE_FILTER: {
         "@type": T + "extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
-    return {**copy.deepcopy(route), "name": f"{route['name']}-unobserved", "match": match,
+    return _variant(route, "unobserved", match, per_route)
+
+
+def _variant(route: dict[str, Any], suffix: str, match: dict[str, Any],
+             per_route: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``route`` named ``<name>-<suffix>`` with its own match and per-filter
+    config."""
+    return {**copy.deepcopy(route), "name": f"{route['name']}-{suffix}", "match": match,
             "typed_per_filter_config": per_route}
 
 
@@ -336,17 +343,15 @@ def process_routes(route: dict[str, Any], processes: int, *, by_metadata: bool
         match = copy.deepcopy(route["match"])
         prefix = {"prefix": f"{PROCESS_ID_PREFIX}{i}."}
         if by_metadata:
-            match["dynamic_metadata"] = [*match.get("dynamic_metadata", []), {
-                "filter": LB_METADATA_NAMESPACE, "path": [{"key": DECISION_KEY}],
-                "value": {"string_match": prefix}}]
+            match["dynamic_metadata"] = [*match.get("dynamic_metadata", []),
+                                         lb_matcher(DECISION_KEY, {"string_match": prefix})]
         else:
             match["headers"] = [*match.get("headers", []),
                                 {"name": DECISION_HEADER, "string_match": prefix}]
         per_route = copy.deepcopy(route["typed_per_filter_config"])
         per_route[OBSERVE_FILTER]["overrides"]["grpc_service"] = {
             "envoy_grpc": {"cluster_name": process_cluster(i)}, "timeout": "5s"}
-        out.append({**copy.deepcopy(route), "name": f"{route['name']}-p{i}", "match": match,
-                    "typed_per_filter_config": per_route})
+        out.append(_variant(route, f"p{i}", match, per_route))
     return out
 
 
