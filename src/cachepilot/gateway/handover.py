@@ -38,11 +38,9 @@ class Handover:
 
     def logged(self, decision_id: str) -> Exchange | None:
         """The exchange whose access log entry this is (forgotten here), if it awaits one."""
-        ex = self.unlogged.pop(decision_id, (None, 0.0))[0]
-        self.ended.pop(decision_id, None)
-        if ex is not None:  # the entry came before its observing stream: none will
-            self.live.pop(decision_id, None)
-            self.unobserved.pop(decision_id, None)
+        ex = self.unlogged.get(decision_id, (None, 0.0))[0]
+        if ex is not None:  # (and if it came before its observing stream, none will)
+            self._drop(decision_id)
         return ex
 
     def park(self, d: Decision, ex: Exchange, now: float) -> None:
@@ -56,18 +54,18 @@ class Handover:
         return ex
 
     def forget(self, d: Decision) -> None:
-        self.live.pop(d.id, None)
-        self.unobserved.pop(d.id, None)
-        self.unlogged.pop(d.id, None)
-        self.ended.pop(d.id, None)
+        self._drop(d.id)
+
+    def _drop(self, decision_id: str) -> None:
+        """Forget the exchange in every table."""
+        for table in (self.live, self.unobserved, self.unlogged, self.ended):
+            table.pop(decision_id, None)
 
     def sweep(self, now: float, after_s: float) -> list[Exchange]:
         """Exchanges parked longer than ``after_s`` (forgotten here; the caller ends them)."""
         out = []
         for decision_id, ex in _older(self.unobserved, now, after_s):
-            self.live.pop(decision_id, None)
-            self.unlogged.pop(decision_id, None)
-            self.ended.pop(decision_id, None)
+            self._drop(decision_id)
             if not ex.done:
                 out.append(ex)
         return out
@@ -77,9 +75,7 @@ class Handover:
         finished ones forgotten too; the caller ends the others)."""
         old = _older(self.unlogged, now, after_s)
         for decision_id, _ in old:
-            self.ended.pop(decision_id, None)
-            self.live.pop(decision_id, None)
-            self.unobserved.pop(decision_id, None)
+            self._drop(decision_id)
         return [ex for _, ex in old if not ex.done]
 
     def sweep_ended(self, now: float, grace_s: float) -> list[Exchange]:
@@ -87,7 +83,7 @@ class Handover:
         (forgotten here; the caller ends them)."""
         out = []
         for decision_id, ex in _older(self.ended, now, grace_s):
-            self.logged(decision_id)  # forgotten everywhere
+            self._drop(decision_id)
             if not ex.done:
                 out.append(ex)
         return out
