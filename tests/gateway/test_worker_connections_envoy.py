@@ -57,6 +57,9 @@ class ClosingWorker:
                                  b"Content-Length: %d\r\n\r\n%s" % (len(METRICS), METRICS))
                     await writer.drain()
                     continue
+                # Counted before the answer leaves: the client may read it (and the test this
+                # counter) before this thread runs again after the write.
+                self.answered += 1
                 events = (b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n',
                           b"data: [DONE]\n\n")
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -65,7 +68,6 @@ class ClosingWorker:
                              + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
                              + b"0\r\n\r\n")
                 await writer.drain()
-                self.answered += 1
                 await asyncio.sleep(CLOSE_AFTER_S)
                 break
         except (asyncio.IncompleteReadError, ConnectionError):
