@@ -35,9 +35,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=56320)
     ap.add_argument("--rate", type=float, default=60)
     ap.add_argument("--seconds", type=float, default=15)
+    ap.add_argument("--kb", type=float, default=0,
+                    help="profile scaling.py's prompts of this size instead (4 documents, 95 %% "
+                         "of the prompt, and a tail of their own: the CPU bar's workload)")
     ap.add_argument("--noop", action="store_true")
     ap.add_argument("--no-observe", action="store_true")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--hz", type=int, default=250, help="py-spy's samples a second")
     args = ap.parse_args()
     spy_bin = (shutil.which("py-spy", path=str(Path(sys.executable).parent))
                or shutil.which("py-spy"))
@@ -76,10 +80,14 @@ def main() -> None:
 async def drive(args: argparse.Namespace, port: int, pid: int, spy_bin: str,
                 tmp: Path) -> None:
     drv = Driver([port], observe=not (args.noop or args.no_observe))
-    bodies = bodies_for(args.tokens, 200)
+    if args.kb:
+        from scaling import prompts
+        bodies = prompts(args.kb, 64)
+    else:
+        bodies = bodies_for(args.tokens, 200)
     for b in bodies[:20]:
         await drv.one(b)
-    spy = subprocess.Popen([spy_bin, "record", "-p", str(pid), "-r", "250", "-d",
+    spy = subprocess.Popen([spy_bin, "record", "-p", str(pid), "-r", str(args.hz), "-d",
                             str(int(args.seconds)), "-f", "raw", "-o", str(tmp / "spy.txt"),
                             "--nonblocking"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)

@@ -27,21 +27,30 @@ if TYPE_CHECKING:
 
 async def drive(stack: Any, reqs: list[SimRequest],
                 progress: Callable[[int, int], None] | None = None, api: str = "chat",
-                model: str = MODEL_NAME) -> tuple[list[Result], float]:
+                model: str = MODEL_NAME, join: bool = True) -> tuple[list[Result], float]:
     """Send the requests through Envoy at their arrival times; join each answer with its
     decision record (the gateway's prediction). ``stack``: a llama.cpp or vLLM stack
-    (``url`` and ``decision``)."""
+    (``url`` and ``decision``). ``join=False``: the answers only (:func:`join_predictions`
+    later, e.g. once the router's CPU has been read: the look-ups are the study's, not
+    routing's)."""
     labelled = bodies(reqs, api, model)
     results, wall = await run(stack.url, [r.arrival for r in reqs],
                               [b for _, b in labelled], progress, timeout_s=600.0,
                               path=APIS[api])
     for (doc, _), r in zip(labelled, results, strict=True):
         r.label = doc
-        rec = await asyncio.to_thread(stack.decision, r.decision_id) if r.decision_id else None
+    if join:
+        join_predictions(stack, results)
+    return results, wall
+
+
+def join_predictions(stack: Any, results: list[Result]) -> None:
+    """Each answer's decision record (the gateway's prediction), from its admin API."""
+    for r in results:
+        rec = stack.decision(r.decision_id) if r.decision_id else None
         if rec is not None:
             r.predicted_hit = bool(rec["predicted_hit"])
             r.predicted_cached_tokens = int(rec["predicted_cached_tokens"])
-    return results, wall
 
 
 def _ttft(group: list[Result]) -> dict[str, Any]:

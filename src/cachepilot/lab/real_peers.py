@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachepilot.lab import real_traffic as wl
-from cachepilot.lab.real_model import drive
+from cachepilot.lab.real_model import drive, join_predictions
 from cachepilot.lab.real_model import summarize as cachepilot_summary
 from cachepilot.records.stats import imbalance
 from cachepilot.sim.llamacpp import LLAMA_WORKLOADS
@@ -114,8 +114,9 @@ def _engine_summary(before: list[dict[str, float]], after: list[dict[str, float]
 
 def _send(stack: Any, router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig,
           progress: Progress) -> tuple[dict[str, Any], list[Result], float]:
-    """The cell's requests through the router in front of ``stack``: CachePilot's answers
-    joined with its decisions (the predictions), a peer's as they come."""
+    """The cell's requests through the router in front of ``stack``, and a peer's summary
+    (CachePilot's answers are joined with its decisions, and summarised, by the caller
+    once it has read the router's CPU)."""
     if router.is_peer:
         labelled = wl.bodies(reqs, cfg.api)
         samples, wall = asyncio.run(run(
@@ -124,8 +125,8 @@ def _send(stack: Any, router: RouterSpec, reqs: list[SimRequest], cfg: StudyConf
         for (doc, _), r in zip(labelled, samples, strict=True):
             r.label = doc
         return loadgen_summary(samples, wall), samples, wall
-    samples, wall = asyncio.run(drive(stack, reqs, progress.request, cfg.api))
-    return cachepilot_summary(samples, wall), samples, wall
+    samples, wall = asyncio.run(drive(stack, reqs, progress.request, cfg.api, join=False))
+    return {}, samples, wall  # summarised once its predictions are joined (run_phase)
 
 
 def _cpu(stack: Any, vllm: VllmStack | None) -> tuple[float, float]:
@@ -167,6 +168,9 @@ def run_phase(router: RouterSpec, reqs: list[SimRequest], cfg: StudyConfig, log_
         cpu_before = _cpu(stack, vllm)
         summary, samples, wall = _send(stack, router, reqs, cfg, progress)
         cpu = [b - a for a, b in zip(cpu_before, _cpu(stack, vllm), strict=True)]
+        if not router.is_peer:  # after the CPU reading: these look-ups are the study's
+            join_predictions(stack, samples)
+            summary = cachepilot_summary(samples, wall)
         after = [engine_counters(a, cfg.engine) for a in stack.worker_addresses]
         if vllm is None:
             assert stack.spec is not None and stack.calibration is not None
