@@ -6,6 +6,8 @@ request and the top frames by own and inclusive share of the samples.
     pip install py-spy
     python benchmarks/profile_gateway.py --tokens 56320 --rate 60 --seconds 15
     python benchmarks/profile_gateway.py --noop          # the no-op ext_proc server instead
+    python benchmarks/profile_gateway.py --kb 220 --rate 150 --seconds 30 --hz 1000
+                                          # scaling.py's prompts (the CPU bar's workload)
 """
 
 from __future__ import annotations
