@@ -263,6 +263,38 @@ def test_a_holder_is_waited_for_when_a_miss_costs_later_arrivals_more_than_the_w
     assert _holder_gain(d).holder is None
 
 
+def test_a_holder_that_moved_is_waited_for_past_the_break_even() -> None:
+    """The break-even passed with the holder still busy, but its queue has gone since the
+    hold began (a full batch with nothing waiting: about to free): the request waits on and
+    gets its hit (on real one-slot workers the break-even alone sent one to a cold prefill
+    80 ms before its holder freed). A holder whose queue has not moved is not waited for
+    past the break-even (the next test and the bound's)."""
+    router, fc = flow()
+    holder, t = held_for_its_holder(router, fc)
+    assert t.holder_priced is not None and t.holder_priced.queue_ms > 0
+    late = t.holder_until + 0.01
+    load(router, late, {})  # the others open; the holder's batch full, nothing queued
+    pool = router.pools["default"]
+    pool.workers[holder].inflight = 4
+    pool.update_metrics(holder, WorkerMetrics(waiting=0, running=4, kv_usage=0.1, max_batch=4,
+                                              scraped_at=late))
+    assert fc.pump(late) == 0 and t.state != DISPATCHED and t.holder_until > late
+    load(router, late + 0.05, {})  # it frees
+    fc.pump(late + 0.05)
+    assert t.decision is not None and t.decision.chosen == holder
+    assert t.decision.flow.dispatch == fi.HOLDER
+
+
+def test_a_holder_that_did_not_move_is_left_at_the_break_even() -> None:
+    router, fc = flow()
+    holder, t = held_for_its_holder(router, fc)
+    late = t.holder_until + 0.01
+    load(router, late, {holder: 1})  # the same queue as when the hold began
+    fc.pump(late)
+    assert t.decision is not None and t.decision.chosen != holder
+    assert t.decision.flow.dispatch == fi.HOLDER_TIMEOUT
+
+
 def test_a_holder_wait_is_bounded() -> None:
     router, fc = flow(holder_wait_ms=300.0)
     holder, t = held_for_its_holder(router, fc)
