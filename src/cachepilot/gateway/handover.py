@@ -63,31 +63,28 @@ class Handover:
 
     def sweep(self, now: float, after_s: float) -> list[Exchange]:
         """Exchanges parked longer than ``after_s`` (forgotten here; the caller ends them)."""
-        out = []
-        for decision_id, ex in _older(self.unobserved, now, after_s):
-            self._drop(decision_id)
-            if not ex.done:
-                out.append(ex)
-        return out
+        return self._sweep(self.unobserved, now, after_s)
 
     def sweep_unlogged(self, now: float, after_s: float) -> list[Exchange]:
         """Exchanges whose access log entry has not come within ``after_s`` of routing (the
         finished ones forgotten too; the caller ends the others)."""
-        old = _older(self.unlogged, now, after_s)
-        for decision_id, _ in old:
-            self._drop(decision_id)
-        return [ex for _, ex in old if not ex.done]
+        return self._sweep(self.unlogged, now, after_s)
 
     def sweep_ended(self, now: float, grace_s: float) -> list[Exchange]:
         """Exchanges whose request ended ``grace_s`` ago with no access log entry since
         (forgotten here; the caller ends them)."""
+        return self._sweep(self.ended, now, grace_s)
+
+    def _sweep(self, parked: OrderedDict[str, tuple[Exchange, float]], now: float,
+               after_s: float) -> list[Exchange]:
+        """Forget, in every table, the exchanges ``parked`` has held ``after_s``; the
+        unfinished ones, for the caller to end."""
         out = []
-        for decision_id, ex in _older(self.ended, now, grace_s):
+        for decision_id, ex in _older(parked, now, after_s):
             self._drop(decision_id)
             if not ex.done:
                 out.append(ex)
         return out
-
 
 def _older(parked: OrderedDict[str, tuple[Exchange, float]], now: float, after_s: float
            ) -> list[tuple[str, Exchange]]:
