@@ -27,20 +27,17 @@ if TYPE_CHECKING:
 
 async def drive(stack: Any, reqs: list[SimRequest],
                 progress: Callable[[int, int], None] | None = None, api: str = "chat",
-                model: str = MODEL_NAME, join: bool = True) -> tuple[list[Result], float]:
-    """Send the requests through Envoy at their arrival times; join each answer with its
-    decision record (the gateway's prediction). ``stack``: a llama.cpp or vLLM stack
-    (``url`` and ``decision``). ``join=False``: the answers only (:func:`join_predictions`
-    later, e.g. once the router's CPU has been read: the look-ups are the study's, not
-    routing's)."""
+                model: str = MODEL_NAME) -> tuple[list[Result], float]:
+    """Send the requests through Envoy at their arrival times (``stack``: a llama.cpp or
+    vLLM stack); :func:`join_predictions` adds the gateway's predictions afterwards (in
+    the peers study, once the router's CPU has been read: the look-ups are the study's,
+    not routing's)."""
     labelled = bodies(reqs, api, model)
     results, wall = await run(stack.url, [r.arrival for r in reqs],
                               [b for _, b in labelled], progress, timeout_s=600.0,
                               path=APIS[api])
     for (doc, _), r in zip(labelled, results, strict=True):
         r.label = doc
-    if join:
-        join_predictions(stack, results)
     return results, wall
 
 
@@ -105,6 +102,7 @@ def run_experiment(output: StudyOutput, workload: WorkloadSpec = WORKLOAD, n: in
                 echo(f"{name}: {workers} llama-server workers up in "
                      f"{time.monotonic() - t0:.0f}s; sending {len(reqs)} requests")
             samples, wall = asyncio.run(drive(stack, reqs))
+            join_predictions(stack, samples)
             assert stack.spec is not None and stack.calibration is not None
             phases[name] = samples
             result[name] = summarize(samples, wall) | {

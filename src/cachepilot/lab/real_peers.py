@@ -125,7 +125,7 @@ def _send(stack: Any, router: RouterSpec, reqs: list[SimRequest], cfg: StudyConf
         for (doc, _), r in zip(labelled, samples, strict=True):
             r.label = doc
         return loadgen_summary(samples, wall), samples, wall
-    samples, wall = asyncio.run(drive(stack, reqs, progress.request, cfg.api, join=False))
+    samples, wall = asyncio.run(drive(stack, reqs, progress.request, cfg.api))
     return {}, samples, wall  # summarised once its predictions are joined (run_phase)
 
 
