@@ -178,9 +178,11 @@ def ahead_of(load: Load, worker: WorkerSnapshot, typical_uncached: float,
 def prefill_done(worker: WorkerSnapshot) -> int:
     """The part of the prefill this router sent there that the engine says it has done
     already (:attr:`WorkerMetrics.prefill_done_tokens`, as of the scrape): a request for a
-    document another request is still prefilling waits only for the rest. Reported, never
-    extrapolated: a batch engine shares its steps with other work, so a drain rate would
-    be a guess."""
+    document another request is still prefilling waits only for the rest. A batch engine's
+    is as reported (a scrape, KV events), never extrapolated: it shares its steps with other
+    work, so a drain rate would be a guess. A slot engine's runs on with the clock between
+    its readings, at the worker's own learned rate
+    (:func:`cachepilot.core.router._slot_progress`)."""
     m = worker.metrics
     return 0 if m is None else max(0, min(m.prefill_done_tokens, worker.pending_prefill_tokens))
 

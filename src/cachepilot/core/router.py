@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
+from itertools import islice
 
 from xxhash import xxh3_64_intdigest
 
@@ -27,7 +28,7 @@ from cachepilot.core.prefix_cache import Fingerprinter
 from cachepilot.core.request import InferenceRequest, RequestError
 from cachepilot.core.spread import ReplicaSpread
 from cachepilot.core.vllm_prompt import VllmPrompts, engine_fingerprint
-from cachepilot.core.workers import WorkerSnapshot
+from cachepilot.core.workers import TTFTParams, WorkerSnapshot, WorkerState
 
 
 class Router:
@@ -210,7 +211,7 @@ class Router:
         typical = pool.typical_uncached
         cands: list[Candidate] = []
         for addr, worker in pool.workers.items():
-            w = self._with_event_progress(pool, addr, worker.snapshot())
+            w = self._with_progress(pool, addr, worker, now)
             load = effective_load(w, now, cost)
             blocks = matches.get(addr, 0)
             matched_tokens = min(blocks * fp.block_size, fp.tokens)
@@ -314,30 +315,45 @@ class Router:
         self._prefill_done(decision)
         pool = self.pools.get(decision.pool)
         w = None if pool is None else pool.workers.get(decision.chosen)
+        outcome = outcome or Outcome()
         if w is not None and w.inflight > 0:
             w.inflight -= 1
-        outcome = outcome or Outcome()
+            if outcome.completed_at is not None:
+                w.freed_at = max(w.freed_at, outcome.completed_at)
         if pool is not None:
             pool.policy.on_finish(decision, outcome)
         for plugin in self.plugins:
             plugin.on_finish(decision, outcome)
 
-    def _with_event_progress(self, pool: Pool, addr: str, w: WorkerSnapshot
-                             ) -> WorkerSnapshot:
+    def _with_progress(self, pool: Pool, addr: str, worker: WorkerState, now: float
+                       ) -> WorkerSnapshot:
+        """The worker as priced, with how far the prefills this router sent there have got
+        put in its metrics (:attr:`WorkerMetrics.prefill_done_tokens`) when the engine's
+        events or its slots say more than the last scrape, so the record and a replay
+        price the same queue."""
+        w = worker.snapshot()
+        pending = self._prefilling.get((pool.name, addr))
+        m = w.metrics
+        if not pending or m is None:
+            return w  # (nothing in flight, or no scrape yet: skip, O(1))
+        if pool.directory.has_events(addr):
+            done = self._event_progress(pool, addr, pending)
+        elif m.slots and w.ttft is not None:  # its own rate, learned (never the prior's)
+            done = _slot_progress(w, pending, worker.freed_at, w.ttft, now)
+        else:
+            return w
+        if done <= m.prefill_done_tokens:
+            return w
+        return replace(w, metrics=replace(m, prefill_done_tokens=done))
+
+    @staticmethod
+    def _event_progress(pool: Pool, addr: str, pending: Mapping[int, Decision]) -> int:
         """A worker whose engine publishes KV events (vLLM: a chunked prefill stores its
         blocks as it computes them) says how far the prefills sent there have got: the
-        blocks of their uncached part it has announced. Put in the snapshot's metrics
-        (:attr:`WorkerMetrics.prefill_done_tokens`) when it says more than the scrape, so
-        the record and a replay price the same queue."""
-        pending = self._prefilling.get((pool.name, addr))
+        blocks of their uncached part it has announced."""
         d = pool.directory
-        if not pending or w.metrics is None or not d.has_events(addr):
-            return w  # (an approximate worker's prefills say nothing: skip them, O(1))
-        done = sum(min(p.uncached_tokens, p.block_size * d.stored_blocks(
+        return sum(min(p.uncached_tokens, p.block_size * d.stored_blocks(
             addr, p.hashes[p.winner.matched_blocks:])) for p in pending.values())
-        if done <= w.metrics.prefill_done_tokens:
-            return w
-        return replace(w, metrics=replace(w.metrics, prefill_done_tokens=done))
 
     def _prefill_done(self, decision: Decision) -> bool:
         """Stop counting the decision's prefill as pending; False if it already was."""
@@ -358,6 +374,35 @@ class Router:
                 # The progress the last scrape reported was most likely this request's.
                 w.metrics = replace(w.metrics, prefill_done_tokens=0)
         return True
+
+
+def _slot_progress(w: WorkerSnapshot, pending: Mapping[int, Decision], freed_at: float,
+                   p: TTFTParams, now: float) -> int:
+    """How far a slot engine (llama.cpp) has got with the prefills this router sent it,
+    between its ``/slots`` readings (each scrape): the engine prefills its requests in
+    arrival order, one per free slot, so the oldest this router sent has been prefilling
+    since it was sent or since the last one of this router's left the worker, whichever is
+    later. Counted at the worker's own learned rate (the caller passes it; never the pool's
+    prior, which prices a CPU worker's prefill ~30 times too fast), less its fixed cost per
+    request: the price already charged for that time, so a queue priced at dispatch drains
+    with the clock instead of standing still for up to a scrape interval; never past the
+    prefills that can hold a slot. None when every slot is decoding or the engine has work
+    this router did not send (then its order is not ours to know). On real one-slot
+    workers (fresh seeds 231-235) a request held for its holder left for a cold prefill
+    30 ms before the holder's first token, its 270 tokens priced whole from a reading 0.85 s
+    older."""
+    m = w.metrics
+    assert m is not None and m.slots
+    free = m.slots - (w.inflight - w.pending_requests)  # slots not decoding ours
+    foreign = m.waiting + m.running - m.router_inflight
+    if free <= 0 or foreign > 0 or p.prefill_ms_per_token <= 0:
+        return 0
+    heads = list(islice(pending.values(), free))  # booking order: the engine's order
+    since = max(heads[0].time, freed_at)
+    ran_ms = (now - since) * 1000.0 - p.base_ms
+    if ran_ms <= 0:
+        return 0
+    return min(sum(h.uncached_tokens for h in heads), int(ran_ms / p.prefill_ms_per_token))
 
 
 def static_router(workers: list[str], *, policy: str, weights: Weights, models: tuple[str, ...],

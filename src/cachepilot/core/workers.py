@@ -95,6 +95,9 @@ class WorkerState:
     down: dict[str, str] = field(default_factory=dict)
     metrics: WorkerMetrics | None = None
     inflight: int = 0
+    # When the last request this router sent here ended (the driver's clock): a slot engine
+    # starts on the next request it holds then (cachepilot.core.router._slot_progress).
+    freed_at: float = 0.0
     # Requests sent here whose first token has not come back, and their uncached prompt
     # tokens: prefill work ahead of a newcomer that no scrape has seen yet.
     pending_requests: int = 0
