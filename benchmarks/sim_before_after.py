@@ -7,11 +7,12 @@ paired by seed: run it once on each source tree (the one on ``PYTHONPATH``), the
     PYTHONPATH=src python benchmarks/sim_before_after.py --seeds 0-9 --out /tmp/after.json \
         --against /tmp/before.json
 
-Each run is ``cachepilot.lab.peers.run_task``'s default-policy cell (the study's workload,
-deployment and seeds; the peers are not run). The comparison prints, per workload, the
-after/before geometric mean of p50, p90 and p99 TTFT with a t interval on the log ratios,
-and the hit rate's paired difference (``cachepilot.lab.stats``): the same statistics as the
-study's cells, without a family adjustment (a handful of tests, each reported).
+Each run is the study's default-policy cell (``cachepilot.lab.peers.run_policy``: the
+study's workload, deployment and seeds; the peers are not run). The comparison prints, per
+workload, the after/before geometric mean of p50, p90 and p99 TTFT with a t interval on
+the log ratios, and the hit rate's paired difference (``cachepilot.lab.stats``): the same
+statistics as the study's cells, without a family adjustment (a handful of tests, each
+reported).
 """
 
 from __future__ import annotations
@@ -19,17 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rich.progress import track
 
 from cachepilot.cli.study_options import parse_seeds
-from cachepilot.lab.peers import DEFAULT, POLICY_SETTINGS, workloads
+from cachepilot.lab.peers import DEFAULT, run_policy, workloads
 from cachepilot.lab.stats import paired_difference, paired_ratio
-from cachepilot.sim.measures import summarize
-from cachepilot.sim.simulator import Simulator
 from cachepilot.sim.workloads import generate
 
 KEPT = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "token_hit_rate")
@@ -41,8 +39,7 @@ def run(names: list[str], seeds: tuple[int, ...], trace: Path | None) -> dict[st
     out: dict[str, Any] = {}
     for name, seed in track([(n, s) for n in names for s in seeds], description="cells"):
         spec, cfg = deployments[name]
-        sim = Simulator(replace(cfg, policy=DEFAULT, **POLICY_SETTINGS.get(DEFAULT, {})))
-        s = summarize(sim.run(generate(spec, seed)))
+        s = run_policy(cfg, generate(spec, seed), DEFAULT)
         out[f"{name}/{seed}"] = {k: s[k] for k in KEPT}
     return out
 

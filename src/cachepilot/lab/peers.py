@@ -27,7 +27,7 @@ from cachepilot.sim.engine import EngineConfig
 from cachepilot.sim.llamacpp import LLAMA_ENGINE, LLAMA_WORKLOADS
 from cachepilot.sim.measures import summarize
 from cachepilot.sim.simulator import SimConfig, Simulator
-from cachepilot.sim.workloads import WorkloadSpec, generate
+from cachepilot.sim.workloads import Workload, WorkloadSpec, generate
 
 DEFAULT = PoolSpec().policy
 # The peer models, as each runs in front of paged (vLLM-like) workers. vllm-router needs
@@ -87,11 +87,16 @@ def run_task(task: tuple[str, int, str]) -> dict[str, Any]:
     name, seed, trace = task
     spec, cfg = workloads(Path(trace) if trace else None, slots=True)[name]
     wl = generate(spec, seed)
-    runs = {}
-    for p in policies(cfg):
-        s = summarize(Simulator(replace(cfg, policy=p, **POLICY_SETTINGS.get(p, {}))).run(wl))
-        runs[p] = {k: s.get(k) for k in KEPT}
+    runs = {p: run_policy(cfg, wl, p) for p in policies(cfg)}
     return {"workload": name, "seed": seed, "runs": runs}
+
+
+def run_policy(cfg: SimConfig, wl: Workload, policy: str) -> dict[str, Any]:
+    """``policy`` (with its study settings) serving the drawn workload ``wl`` in the
+    deployment ``cfg``: the measures the study keeps."""
+    s = summarize(Simulator(replace(cfg, policy=policy, **POLICY_SETTINGS.get(policy, {})))
+                  .run(wl))
+    return {k: s.get(k) for k in KEPT}
 
 
 def run_seeded(task: Callable[[tuple[str, int, str]], dict[str, Any]], seeds: Sequence[int],
