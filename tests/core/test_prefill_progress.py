@@ -37,21 +37,17 @@ def test_slots_say_how_far_the_prompts_being_prefilled_are() -> None:
 
 
 def test_reported_progress_shortens_the_queue_until_that_request_answers() -> None:
-    r = make_router(workers=("10.0.0.1:8000", "10.0.0.2:8000"))
-    pool = r.pools["default"]
-    for w in pool.workers:
-        pool.update_metrics(w, WorkerMetrics(scraped_at=100.0, slots=1, slot_tokens=4096))
-    doc = DOC
-    first = r.route(InferenceRequest(model="m", prompt=doc + "question 0?"), 100.0)
+    r, pool = slot_router(learned=None)  # only what the engine reports counts
+    first = r.route(InferenceRequest(model="m", prompt=DOC + "question 0?"), 100.0)
     holder = pool.workers[first.chosen]
-    before = r.decide(pool, "m", r.fingerprint(InferenceRequest(model="m", prompt=doc + "1?"),
-                                               pool), 100.0, "x")
+    before = r.decide(pool, "m", r.fingerprint(InferenceRequest(model="m", prompt=DOC + "1?"),
+                                               pool), 100.5, "x")
     ahead = {c.worker: c.ahead_tokens for c in before.candidates}[first.chosen]
     assert ahead == first.uncached_tokens  # the whole prefill still counts
-    pool.update_metrics(first.chosen, replace(holder.metrics, scraped_at=100.0,
+    pool.update_metrics(first.chosen, replace(holder.metrics, scraped_at=100.5,
                                               prefill_done_tokens=ahead - 40))
-    after = r.decide(pool, "m", r.fingerprint(InferenceRequest(model="m", prompt=doc + "1?"),
-                                              pool), 100.0, "y")
+    after = r.decide(pool, "m", r.fingerprint(InferenceRequest(model="m", prompt=DOC + "1?"),
+                                              pool), 100.6, "y")
     assert {c.worker: c.ahead_tokens for c in after.candidates}[first.chosen] == 40
     r.first_token(first, 900.0)  # the report was about that request: nothing is credited
     assert holder.metrics.prefill_done_tokens == 0 and holder.pending_prefill_tokens == 0

@@ -86,6 +86,7 @@ class Handover:
                 out.append(ex)
         return out
 
+
 def _older(parked: OrderedDict[str, tuple[Exchange, float]], now: float, after_s: float
            ) -> list[tuple[str, Exchange]]:
     """Take the entries of ``parked`` (oldest first) that have waited ``after_s``."""
