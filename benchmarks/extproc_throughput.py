@@ -110,6 +110,24 @@ TOKEN_EVENT = (b'data: {"id":"x","object":"text_completion","choices":[{"index":
                b'"text":" token","finish_reason":null}]}\n\n')
 
 
+def access_log_entry(lb: Any) -> al.HTTPAccessLogEntry:
+    """Envoy's access log entry for a routed request that was answered (200): the routing
+    answer's envoy.lb metadata ``lb``, the usage its Lua filter read, the worker and timings."""
+    entry = al.HTTPAccessLogEntry()
+    c = entry.common_properties
+    c.metadata.filter_metadata[LB_METADATA_NAMESPACE].CopyFrom(lb)
+    c.metadata.filter_metadata[USAGE_NAMESPACE].update(
+        {"cached_tokens": 4096, "completion_tokens": 1})
+    host, port = lb.fields[CHOSEN_KEY].string_value.rsplit(":", 1)
+    c.upstream_remote_address.socket_address.address = host
+    c.upstream_remote_address.socket_address.port_value = int(port)
+    c.time_to_last_rx_byte.FromMicroseconds(100)
+    c.time_to_first_upstream_rx_byte.FromMicroseconds(600)
+    c.time_to_last_downstream_tx_byte.FromMicroseconds(700)
+    entry.response.response_code.value = 200
+    return entry
+
+
 class Driver:
     """Envoy's side of the default bootstrap. ``observe``: responses are observed, until the
     first token (``until_first_token``, the default: a request the routing answer marks
@@ -168,18 +186,7 @@ class Driver:
         if k not in self.logs:
             self.logs[k] = (self.log_stubs[k].StreamAccessLogs(), asyncio.Lock())
         call, lock = self.logs[k]
-        entry = al.HTTPAccessLogEntry()
-        c = entry.common_properties
-        c.metadata.filter_metadata[LB_METADATA_NAMESPACE].CopyFrom(lb)
-        c.metadata.filter_metadata[USAGE_NAMESPACE].update(
-            {"cached_tokens": 4096, "completion_tokens": 1})
-        host, port = lb.fields[CHOSEN_KEY].string_value.rsplit(":", 1)
-        c.upstream_remote_address.socket_address.address = host
-        c.upstream_remote_address.socket_address.port_value = int(port)
-        c.time_to_last_rx_byte.FromMicroseconds(100)
-        c.time_to_first_upstream_rx_byte.FromMicroseconds(600)
-        c.time_to_last_downstream_tx_byte.FromMicroseconds(700)
-        entry.response.response_code.value = 200
+        entry = access_log_entry(lb)
         async with lock:  # one write at a time on a stream
             await call.write(als.StreamAccessLogsMessage(
                 http_logs=als.StreamAccessLogsMessage.HTTPAccessLogEntries(

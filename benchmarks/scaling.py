@@ -27,6 +27,8 @@ Envoy, against fake idle vLLM workers (one process answers every worker's
     python benchmarks/scaling.py                              # everything, ~10 minutes
     python benchmarks/scaling.py --quick                      # a short run
     python benchmarks/scaling.py --out docs/results/scaling --tokenizer path/tokenizer.json
+    git worktree add /tmp/before <rev> && python benchmarks/scaling.py --sweeps prompts \
+        --before /tmp/before/src       # a change's before/after, interleaved
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ from extproc_throughput import Driver, cpu_seconds, wait_port
 HERE = Path(__file__).parent
 # The prompt sweep's servers: the no-op floor on the routing stream alone and with the
 # observing stream too, the gateway (approximate mode), without its observing stream, exact.
-KINDS = ["noop", "noop+observe", "approximate", "routing-only", "logged", "exact"]
-OBSERVED = {"noop+observe", "approximate", "logged", "exact"}
+KINDS = ["noop", "noop+observe", "before", "approximate", "routing-only", "logged", "exact"]
+OBSERVED = {"noop+observe", "before", "approximate", "logged", "exact"}
 MODEL = "m"
 
 
@@ -85,9 +87,10 @@ class Procs:
         self.tmp = tmp
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(argv, stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115
-                             stderr=subprocess.STDOUT)
+                             stderr=subprocess.STDOUT, env=env)
         self.procs.append(p)
         return p
 
@@ -127,10 +130,14 @@ def start_server(procs: Procs, kind: str, workers: list[str], args: argparse.Nam
              "logged": ["--decision-log", str(procs.tmp / f"decisions-{gport}")],
              "exact": ["--tokenizer", str(args.tokenizer), "--vllm-hash-seed", "0"],
              }.get(kind, [])
+    # before: approximate mode run from another source tree (--before), for a change's
+    # before/after in one interleaved run.
+    env = (dict(os.environ, PYTHONPATH=str(Path(args.before).resolve()))
+           if kind == "before" else None)
     p = procs.spawn(f"{kind}-{gport}", [
         sys.executable, "-m", "cachepilot", "gateway", "--listen", f"127.0.0.1:{gport}",
         "--admin-port", str(aport), "--workers", ",".join(workers), "--engine", "vllm",
-        "--processes", str(processes), *extra])
+        "--processes", str(processes), *extra], env=env)
     wait_http_ok([f"http://127.0.0.1:{aport + i}/readyz" for i in range(processes)],
                  timeout_s=90, hint=f"; logs in {procs.tmp}")
     ports = [gport] if processes == 1 else [gport + 1 + i for i in range(processes)]
@@ -201,6 +208,7 @@ def interleaved(procs: Procs, workers: list[str], args: argparse.Namespace,
 
 def sweep_prompts(procs: Procs, workers: list[str], args: argparse.Namespace) -> list[dict]:
     kinds = (["noop", "noop+observe", "approximate"]
+             + (["before"] if args.before else [])
              + (["routing-only"] if args.routing_only else [])
              + (["logged"] if args.logged else [])
              + (["exact"] if args.tokenizer else []))
@@ -328,6 +336,9 @@ def main() -> None:
                     help="also approximate mode without observation (what it costs)")
     ap.add_argument("--logged", action="store_true",
                     help="also approximate mode with a decision log (what recording costs)")
+    ap.add_argument("--before", default=None, metavar="SRC",
+                    help="also approximate mode from this source tree (e.g. a git worktree's "
+                         "src/ at an older commit), interleaved: a change's before/after")
     ap.add_argument("--exact-max-kb", type=float, default=220)
     ap.add_argument("--response-chunks", default="1,16,128",
                     help="responses sweep: body messages per observed response")
@@ -395,6 +406,7 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
         lat = _median_by(rows, ("kb", "kind"), "p50_ms")
         cpu = _median_by(rows, ("kb", "kind"), "cpu_ms_per_request")
         floors = [("approximate", "noop"), ("approximate", "noop+observe"),
+                  ("before", "noop"), ("approximate", "before"),
                   ("routing-only", "noop"), ("logged", "approximate")]
         floors = [(a, b) for a, b in floors if a in kinds and b in kinds]
         lines += ["## Prompt size", "", "Routing answer p50 (ms) / gateway CPU per request "
@@ -404,8 +416,9 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
                   "alone; `noop+observe`: it also takes an observing stream per request (and "
                   "answers nothing), as `--observe-until end` sends it (the default until "
                   "2026-12-07); `routing-only`: the gateway without observation; `logged`: the "
-                  "gateway recording every decision and outcome (`--decision-log`). The ratios "
-                  "are CPU over CPU.", "",
+                  "gateway recording every decision and outcome (`--decision-log`); `before`: "
+                  f"approximate mode from `{args.before}` (`--before`). The ratios are CPU over "
+                  "CPU.", "",
                   "| KB | " + " | ".join(kinds) + " | "
                   + " | ".join(f"{a} ÷ {b}" for a, b in floors) + " |",
                   "|---:|" + "---:|" * (len(kinds) + len(floors))]

@@ -3,20 +3,17 @@ paired comparison (the figures docs/real-model.md gives for the slot progress)."
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_before_after.py"
+from helpers.paths import BENCHMARKS, load_benchmark
+
+SCRIPT = BENCHMARKS / "sim_before_after.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("sim_before_after", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sim_before_after")
 
 
 def test_a_tree_against_itself_changes_nothing_and_a_change_shows() -> None:
