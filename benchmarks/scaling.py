@@ -416,9 +416,9 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
                   "alone; `noop+observe`: it also takes an observing stream per request (and "
                   "answers nothing), as `--observe-until end` sends it (the default until "
                   "2026-12-07); `routing-only`: the gateway without observation; `logged`: the "
-                  "gateway recording every decision and outcome (`--decision-log`); `before`: "
-                  f"approximate mode from `{args.before}` (`--before`). The ratios are CPU over "
-                  "CPU.", "",
+                  "gateway recording every decision and outcome (`--decision-log`)"
+                  + (f"; `before`: approximate mode from `{args.before}` (`--before`)"
+                     if args.before else "") + ". The ratios are CPU over CPU.", "",
                   "| KB | " + " | ".join(kinds) + " | "
                   + " | ".join(f"{a} ÷ {b}" for a, b in floors) + " |",
                   "|---:|" + "---:|" * (len(kinds) + len(floors))]
