@@ -49,9 +49,9 @@ $(VENV)/.installed-peers: $(VENV)/.installed-llamacpp  # sglang-router, vllm-rou
 # llama.cpp connection changes, 211-215 before the 2026-12-07 ones, 226-230 to find the
 # holder fix, measured after it on 231-235, the slot progress on 236-240, 246-250 and,
 # completions, 241-245); each run writes its own folder, real-peers-pooled puts the runs in
-# one report per API. llama.cpp chat: ~30 min on 2 cores; completions about the same; vLLM: add ~2 min
-# to start its workers (the committed vLLM runs: REAL_PEERS_SEEDS=301-303 completions,
-# 304-306 chat).
+# one report per API. llama.cpp chat: ~30 min on 2 cores; completions about the same; vLLM:
+# add ~2 min to start its workers (the committed vLLM runs: REAL_PEERS_SEEDS=301-303
+# completions, 304-306 chat).
 REAL_PEERS_SEEDS ?= 246-250
 REAL_PEERS_RUNS ?= 216-220 221-225 226-230
 real-peers: $(VENV)/.installed-peers

@@ -74,7 +74,8 @@ def main() -> int:
     ap.add_argument("--against", type=Path, help="the other tree's results, to compare")
     args = ap.parse_args()
     names = [n for n in args.workloads.split(",") if n]
-    known = workloads(TRACE if TRACE.exists() else None, slots=True)
+    trace = TRACE if TRACE.exists() else None
+    known = workloads(trace, slots=True)
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"unknown workload(s) {', '.join(unknown)}: one of {', '.join(known)}",
@@ -85,7 +86,7 @@ def main() -> int:
     except ValueError as exc:
         print(f"bad --seeds: {exc}", file=sys.stderr)
         return 2
-    results = run(names, seeds, TRACE if TRACE.exists() else None)
+    results = run(names, seeds, trace)
     args.out.write_text(json.dumps(results, indent=1))
     if args.against is not None:
         print("\n".join(compare(results, json.loads(args.against.read_text()))))

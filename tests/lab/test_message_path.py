@@ -11,12 +11,8 @@ from helpers.paths import BENCHMARKS, load_benchmark
 SCRIPT = BENCHMARKS / "message_path.py"
 
 
-def load():
-    return load_benchmark("message_path")
-
-
 def test_each_request_is_routed_and_released() -> None:
-    mod = load()
+    mod = load_benchmark("message_path")
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
     streams = mod.gateway()

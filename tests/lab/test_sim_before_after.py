@@ -12,12 +12,8 @@ from helpers.paths import BENCHMARKS, load_benchmark
 SCRIPT = BENCHMARKS / "sim_before_after.py"
 
 
-def load():
-    return load_benchmark("sim_before_after")
-
-
 def test_a_tree_against_itself_changes_nothing_and_a_change_shows() -> None:
-    mod = load()
+    mod = load_benchmark("sim_before_after")
     before = mod.run(["llama_shared"], (0, 1, 2), None)
     assert sorted(before) == ["llama_shared/0", "llama_shared/1", "llama_shared/2"]
     assert mod.run(["llama_shared"], (0, 1, 2), None) == before  # deterministic by seed
