@@ -15,13 +15,15 @@ one run, interleaved request by request (so machine noise lands on every path al
   request body STREAMED), ``sync-observe`` (today's, but the response answered in turn),
   ``observe-late`` (the observing stream starts at the response headers), ``observe-whole``
   (the observing stream reads the whole response, no access log: before 2026-12-07),
-  ``no-observe`` (routing only), ``no-log`` (no decision log), ``flow-off`` (flow control
-  off and no flow headers forwarded: as before issue 25), ``flow-no-headers`` (flow control
-  on, no flow headers forwarded: the gateway's share of its cost), ``uvloop`` (the gateway on
-  uvloop's event loop), ``noop`` / ``noop-uvloop`` / ``noop-sync`` (Envoy + a no-op Python
-  ext_proc server of its own: grpc.aio, grpc.aio on uvloop, grpcio's thread-pool server:
-  what the mechanism costs before any routing; ``-headers`` / ``-streamed`` suffixes: with
-  a headers message, with a STREAMED body).
+  ``log-each`` (Envoy's access log sends each entry at once, not 10 ms of them together: the
+  default until the night of 2026-12-07), ``no-observe`` (routing only), ``no-log`` (no
+  decision log), ``flow-off`` (flow control off and no flow headers forwarded: as before
+  issue 25), ``flow-no-headers`` (flow control on, no flow headers forwarded: the gateway's
+  share of its cost), ``uvloop`` (the gateway on uvloop's event loop), ``noop`` /
+  ``noop-uvloop`` / ``noop-sync`` (Envoy + a no-op Python ext_proc server of its own:
+  grpc.aio, grpc.aio on uvloop, grpcio's thread-pool server: what the mechanism costs before
+  any routing; ``-headers`` / ``-streamed`` suffixes: with a headers message, with a
+  STREAMED body).
 
 Closed loop (``--loop closed``): one request in flight, the paths in turn. Open loop
 (``--loop open``): ``--rate`` requests/s per path, sent on schedule whatever is in flight.
@@ -281,6 +283,9 @@ def build(stack: Stack, worker: str, paths: list[str], variants: list[str]
         "observe-late": ((), {"observe_request_headers": False}, {}),
         # The observing stream reads the whole response (no access log): before 2026-12-07.
         "observe-whole": ((), {"observe_until_first_token": False}, {}),
+        # Envoy's access log sends each entry at once, not 10 ms of them together: the
+        # default until the night of 2026-12-07.
+        "log-each": ((), {"access_log_flush_ms": 0}, {}),
         "streamed": ((), {"request_body_mode": "STREAMED"}, {}),
         "headers": ((), {"send_request_headers": True}, {}),
         "before": ((), {"request_body_mode": "STREAMED", "observe_async": False}, {}),

@@ -132,17 +132,22 @@ class Driver:
     """Envoy's side of the default bootstrap. ``observe``: responses are observed, until the
     first token (``until_first_token``, the default: a request the routing answer marks
     unobserved, not streamed, gets no observing stream, only an access log entry at its end,
-    on one log stream per process as Envoy keeps) or whole (an observing stream carrying
+    on one log stream per process as Envoy keeps, sent with the others of ``log_flush_ms``)
+    or whole (an observing stream carrying
     every body message, ``--observe-until end``)."""
 
     def __init__(self, ports: list[int], observe: bool, response_chunks: int = 1,
-                 until_first_token: bool = True) -> None:
+                 until_first_token: bool = True, log_flush_ms: float = 10.0) -> None:
         self.channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
         self.stubs = [ep_grpc.ExternalProcessorStub(c) for c in self.channels]
         self.observe = observe
         self.mode = ("off" if not observe else FIRST_TOKEN if until_first_token else "async")
         self.log_stubs = [als_grpc.AccessLogServiceStub(c) for c in self.channels]
         self.logs: dict[int, tuple[Any, asyncio.Lock]] = {}
+        # Envoy's access log sends the entries of log_flush_ms together (the bootstrap's
+        # default, EnvoyOptions.access_log_flush_ms), 0: each at once.
+        self.log_flush_s = log_flush_ms / 1000.0
+        self.batches: dict[int, list[al.HTTPAccessLogEntry]] = {}
         # The response body as this many messages (a streamed answer: one SSE event of a
         # token each, as Envoy's STREAMED observing filter passes them on), usage last.
         self.response = [ep.ProcessingRequest(response_body=ep.HttpBody(body=TOKEN_EVENT))
@@ -186,11 +191,19 @@ class Driver:
         if k not in self.logs:
             self.logs[k] = (self.log_stubs[k].StreamAccessLogs(), asyncio.Lock())
         call, lock = self.logs[k]
-        entry = access_log_entry(lb)
+        if self.log_flush_s > 0:
+            batch = self.batches.setdefault(k, [])
+            batch.append(access_log_entry(lb))
+            if len(batch) > 1:
+                return  # the first entry's task sends them all
+            await asyncio.sleep(self.log_flush_s)
+            entries = self.batches.pop(k)
+        else:
+            entries = [access_log_entry(lb)]
         async with lock:  # one write at a time on a stream
             await call.write(als.StreamAccessLogsMessage(
                 http_logs=als.StreamAccessLogsMessage.HTTPAccessLogEntries(
-                    log_entry=[entry])))
+                    log_entry=entries)))
 
     async def close(self) -> None:
         """End the log streams (as Envoy does when it stops), then the channels."""

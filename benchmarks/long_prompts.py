@@ -53,7 +53,9 @@ from extproc_throughput import cpu_seconds
 
 MODEL = "sim-llama-8b"
 ROUTERS = ("envoy", "sglang", "vllm", "cachepilot", "cachepilot-p2", "noop")
-# Also available: cachepilot-noobs (routing only: gateway --no-observe-responses).
+# Also available: cachepilot-noobs (routing only: gateway --no-observe-responses),
+# cachepilot-logeach (Envoy's access log sends each entry at once: the default until the
+# night of 2026-12-07).
 PEERS = {"sglang": ("sglang-router", ["launch"], "warn", "readiness"),
          "vllm": ("vllm-router", [], "warning", "health")}
 
@@ -128,6 +130,9 @@ class Bench:
             return self.envoy(f"envoy-{name}", cfg), []
         processes = 2 if name.endswith("-p2") else 1
         observe = not name.endswith("-noobs")
+        # "-logeach": Envoy's access log sends each entry at once, not 10 ms of them together
+        # (the default until the night of 2026-12-07).
+        flush = {"access_log_flush_ms": 0} if name.endswith("-logeach") else {}
         gport, aport = free_port_run(processes + (processes > 1)), free_port_run(processes)
         p = self.spawn(name, [sys.executable, "-m", "cachepilot", "gateway", "--listen",
                               f"127.0.0.1:{gport}", "--admin-port", str(aport), "--workers",
@@ -137,7 +142,7 @@ class Bench:
         cfg = build_bootstrap(EnvoyOptions(
             listen_address="127.0.0.1", listen_port=free_port(), admin_port=free_port(),
             ext_proc_port=gport, workers=tuple(workers), ext_proc_processes=processes,
-            observe_responses=observe))
+            observe_responses=observe, **flush))
         return self.envoy(f"envoy-{name}", cfg), [f"http://127.0.0.1:{aport + i}/readyz"
                                                   for i in range(processes)]
 

@@ -2,9 +2,10 @@
 
 The gateway's ext_proc service is driven by the Envoy-shaped gRPC driver of
 ``extproc_throughput.py`` (a routing stream with the whole body, then, as Envoy's default
-bootstrap does for an answer that is not streamed, an access log entry at its end), without
-Envoy, against fake idle vLLM workers (one process answers every worker's
-``/metrics``). Five sweeps, each printed as a table (the first four plotted too):
+bootstrap does for an answer that is not streamed, an access log entry at its end, sent
+with the others of 10 ms), without Envoy, against fake idle vLLM workers (one process
+answers every worker's ``/metrics``). Five sweeps, each printed as a table (the first four
+plotted too):
 
 * **prompt size** (1 KB … 1 MB): the routing answer's latency (closed loop, one request in
   flight; p50) and the gateway's CPU per request (``/proc``, all its threads), for the
@@ -412,7 +413,8 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
         lines += ["## Prompt size", "", "Routing answer p50 (ms) / gateway CPU per request "
                   "(ms). `approximate`: the gateway as Envoy's default bootstrap drives it "
                   "(these answers are not streamed: the routing stream, then an access log "
-                  "entry, no observing stream); `noop`: the no-op server on the routing stream "
+                  "entry, sent with the others of 10 ms as Envoy now does, no observing "
+                  "stream); `noop`: the no-op server on the routing stream "
                   "alone; `noop+observe`: it also takes an observing stream per request (and "
                   "answers nothing), as `--observe-until end` sends it (the default until "
                   "2026-12-07); `routing-only`: the gateway without observation; `logged`: the "

@@ -4,6 +4,7 @@ import pytest
 
 from cachepilot.core import InferenceRequest, RequestError, WorkerMetrics
 from cachepilot.core.cost import CostModel, parse_cost
+from cachepilot.core.lifecycle import Outcome
 
 from helpers.routers import WORKERS, make_router
 
@@ -145,6 +146,24 @@ def test_release_and_first_token_are_idempotent_bookkeeping() -> None:
     assert w.pending_prefill_tokens == 0
     r.release(d)
     r.release(d)
+    assert w.inflight == 0
+
+
+def test_a_vacated_request_frees_its_worker_once_and_reports_its_outcome_later() -> None:
+    """Envoy ended the request, its outcome comes a batch later: the worker is free (and the
+    prefill over) at once, the release then decrements nothing twice."""
+    r = make_router()
+    d = r.route(req(), 100.0)
+    w = r.pools["default"].workers[d.chosen]
+    r.vacate(d, 100.5)
+    r.vacate(d, 100.6)  # once
+    assert w.inflight == 0 and w.pending_prefill_tokens == 0 and w.freed_at == 100.5
+    assert not d.finished
+    other = r.route(req(), 100.5)
+    assert other.chosen == d.chosen  # priced without it: its holder is free again
+    r.release(d, Outcome(completed_at=100.7))
+    assert d.finished and w.inflight == 1  # only `other` is left on it
+    r.release(other)
     assert w.inflight == 0
 
 

@@ -100,6 +100,16 @@ def test_shape_of_the_bootstrap() -> None:
     assert log_cluster["per_connection_buffer_limit_bytes"] >= 16 << 20
     assert access_log["filter"]["metadata_filter"]["matcher"]["path"] == [
         {"key": "x-cachepilot-decision-id"}]  # only what the gateway routed
+    # Entries of 10 ms go together, one gRPC message (a message costs the gateway more).
+    common = access_log["typed_config"]["common_config"]
+    assert common["buffer_flush_interval"] == "0.01s" and common["buffer_size_bytes"] > 0
+    each = build_bootstrap(EnvoyOptions(access_log_flush_ms=0))
+    [each_log] = each["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][-1][
+        "typed_config"]["access_log"]
+    assert each_log["typed_config"]["common_config"]["buffer_size_bytes"] == 0
+    assert "buffer_flush_interval" not in each_log["typed_config"]["common_config"]
+    with pytest.raises(ValueError, match="access_log_flush_ms"):
+        EnvoyOptions(access_log_flush_ms=-1)
     observer = hcm["typed_config"]["http_filters"][2]["typed_config"]
     assert observer["observability_mode"] is True and observer["failure_mode_allow"] is True
     assert observer["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb"]
@@ -165,6 +175,11 @@ def test_observation_modes() -> None:
     assert res.exit_code == 0 and "lua" not in res.output and "first-token" not in res.output
     res = CliRunner().invoke(cli, ["envoy-config"])
     assert res.exit_code == 0 and "envoy.filters.http.lua" in res.output
+    assert "buffer_flush_interval: 0.01s" in res.output
+    res = CliRunner().invoke(cli, ["envoy-config", "--access-log-flush-ms", "0"])
+    assert res.exit_code == 0 and "buffer_flush_interval" not in res.output
+    res = CliRunner().invoke(cli, ["envoy-config", "--access-log-flush-ms", "-5"])
+    assert res.exit_code == 2 and "--access-log-flush-ms" in res.output
 
 
 def test_fail_open_without_fallback_is_refused() -> None:

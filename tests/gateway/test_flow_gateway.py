@@ -8,12 +8,14 @@ import asyncio
 
 import orjson
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
 from cachepilot.core import WorkerMetrics
 from cachepilot.core.flow import info as fi
 from cachepilot.core.flow.config import FlowConfig
 from cachepilot.gateway.director import Pending
+from cachepilot.gateway.envoy_streams import RoutingStream
 from cachepilot.gateway.flow_metrics import FlowMetrics, TenantLabels
 from cachepilot.gateway.protocol import (
     ATTRIBUTES_KEY,
@@ -61,6 +63,17 @@ def _saturate(box: Box, now: float, open_: str | None = None) -> None:
                                              kv_usage=0.1, scraped_at=now))
 
 
+async def _held(box: Box, msg: ep.ProcessingRequest
+                ) -> tuple[RoutingStream, asyncio.Future[list[ep.ProcessingResponse]]]:
+    """A body-only stream's request held by flow control, its wait started: (stream, task)."""
+    s = box.stream(body_only=True, observe="off", path=CHAT)
+    out = box.handle(s, msg)
+    assert isinstance(out, Pending) and box.flow.held == 1
+    task = asyncio.ensure_future(out.answers())
+    await asyncio.sleep(0)
+    return s, task
+
+
 def _tenant(msg, tenant: str):  # type: ignore[no-untyped-def]
     attrs = struct_pb2.Struct()
     attrs.update({header_attribute("x-gateway-inference-fairness-id"): tenant})
@@ -71,11 +84,7 @@ def _tenant(msg, tenant: str):  # type: ignore[no-untyped-def]
 async def test_a_held_body_only_request_is_answered_when_a_worker_opens() -> None:
     box, clock = _box()
     _saturate(box, clock.now)
-    s = box.stream(body_only=True, observe="off", path=CHAT)
-    out = box.handle(s, _tenant(body(_raw()), "acme"))
-    assert isinstance(out, Pending) and box.flow.held == 1
-    task = asyncio.ensure_future(out.answers())
-    await asyncio.sleep(0)
+    s, task = await _held(box, _tenant(body(_raw()), "acme"))
     clock.now += 0.25
     _saturate(box, clock.now, open_=WORKERS[2])
     box.flow.pump(clock.now)
@@ -116,17 +125,36 @@ async def test_a_refusal_is_a_429_with_retry_after_and_a_reason() -> None:
 async def test_a_client_leaving_takes_its_request_out_of_the_queue() -> None:
     box, clock = _box()
     _saturate(box, clock.now)
-    s = box.stream(body_only=True, observe="off", path=CHAT)
-    out = box.handle(s, body(_raw()))
-    assert isinstance(out, Pending)
-    task = asyncio.ensure_future(out.answers())
-    await asyncio.sleep(0)
+    _, task = await _held(box, body(_raw()))
     task.cancel()  # what grpc.aio does when Envoy resets the stream
     with pytest.raises(asyncio.CancelledError):
         await task
     assert box.flow.held == 0
     assert box.metrics.registry.get_sample_value(
         "cachepilot_flow_cancelled_total", {"pool": "default", "band": "0"}) == 1.0
+
+
+async def test_a_client_leaving_as_its_request_is_dispatched_frees_the_worker() -> None:
+    """The race an overloaded gateway meets when clients give up: the held request is
+    dispatched (booked on a worker) and its stream is cancelled before the wait resumes. The
+    booking must go with the stream, or the worker counts it for ever and, never answering
+    it, is taken for stalled."""
+    box, clock = _box()
+    _saturate(box, clock.now)
+    s, task = await _held(box, body(_raw()))
+    clock.now += 0.25
+    _saturate(box, clock.now, open_=WORKERS[2])
+    worker = box.router.pools["default"].workers[WORKERS[2]]
+    before = worker.inflight
+    box.flow.pump(clock.now)  # dispatched: booked on WORKERS[2], the wait not resumed yet
+    assert worker.inflight == before + 1
+    task.cancel()  # Envoy reset the stream in between
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    box.streams.routing_ended(s)  # the servicer's finally
+    assert worker.inflight == before and s.ex.done
+    assert not box.stalls.awaiting.get(WORKERS[2])
+    assert box.sink.outcomes[s.ex.decision.id]["aborted"]
 
 
 async def test_the_epp_stream_holds_too_and_reads_the_headers() -> None:

@@ -300,12 +300,30 @@ def test_a_request_that_ended_without_an_access_log_entry_is_released_after_the_
     s, d, w = _past_the_first_token(p)
     now[0] = 130.0
     p.streams.routing_ended(s)  # Envoy ended the request; its entry was lost
+    assert w.inflight == 0  # the worker is free at once; the outcome waits for the entry
     p.streams.sweep(134.0)
-    assert w.inflight == 1
+    assert d.id not in p.sink.outcomes
     p.streams.sweep(135.0)
     assert w.inflight == 0 and p.sink.outcomes[d.id]["aborted"]
     assert p.sink.outcomes[d.id]["ttft_kind"] == "first_token"  # what was seen is kept
     assert not p.streams.handover.unlogged and not p.streams.handover.ended
+
+
+def test_an_entry_before_the_streams_end_frees_the_worker_at_envoys_end() -> None:
+    """Envoy's entry can come before the routing stream's close (each entry at once): the
+    worker is freed when Envoy says the response ended, not when the entry arrived."""
+    now = [100.0]
+    p = Box(clock=lambda: now[0], options=GatewayOptions(max_body_bytes=10_000))
+    s = p.stream(body_only=True, path="/v1/chat/completions", observe="first-token")
+    p.handle(s, body(chat(), eos=True))
+    d = s.ex.decision
+    w = p.router.pools["default"].workers[d.chosen]
+    now[0] = 100.9
+    p.streams.logged(access_log_entry(d.id, upstream=d.chosen, body_in_s=0.010,
+                                      first_byte_in_s=0.260, ended_in_s=0.600))
+    assert w.inflight == 0 and s.ex.done and w.freed_at == pytest.approx(100.59)
+    p.streams.routing_ended(s)  # then the close: nothing more to do
+    assert w.inflight == 0 and not p.sink.outcomes[d.id]["aborted"]
 
 
 def test_an_answer_that_is_not_streamed_is_ended_by_the_access_log_alone() -> None:
@@ -324,13 +342,22 @@ def test_an_answer_that_is_not_streamed_is_ended_by_the_access_log_alone() -> No
     assert p.streams.awaits_end(s)  # the stream stays open until Envoy ends the request
     w = p.router.pools["default"].workers[d.chosen]
     assert not s.ex.done and w.inflight == 1 and d.id not in p.streams.handover.live
+    now[0] = 100.6
     p.streams.routing_ended(s)  # Envoy ended the request: its entry is due
-    now[0] = 100.9  # the entry arrives a while after the answer's end
+    # The worker is free at once (the next request is priced without this one), its
+    # prefill over; the outcome waits for the entry.
+    assert w.inflight == 0 and w.pending_requests == 0 and not s.ex.done
+    assert d.id not in p.sink.outcomes
+    now[0] = 100.9  # the entry arrives a while after the answer's end (Envoy batches them)
     p.streams.logged(access_log_entry(d.id, upstream=d.chosen, body_in_s=0.010,
-                                      first_byte_in_s=0.260, usage={"cached_tokens": 5}))
+                                      first_byte_in_s=0.260, ended_in_s=0.600,
+                                      usage={"cached_tokens": 5}))
     out = p.sink.outcomes[d.id]
     assert w.inflight == 0 and not out["aborted"] and out["cached_tokens"] == 5
     assert out["ttft_kind"] == "first_byte" and out["first_byte_ms"] == pytest.approx(250.0)
+    # The worker was free when Envoy ended the request (its routing stream closed), not
+    # when the entry came.
+    assert w.freed_at == pytest.approx(100.6)
     assert not p.streams.handover.ended
     # The client left before Envoy applied the routing answer: the request ends (its stream
     # closes) and no entry names the decision; released once the grace has passed.

@@ -32,17 +32,20 @@ def set_headers(resp: ep.ProcessingResponse) -> dict[str, str]:
 def access_log_entry(decision_id: str, status: int = 200, upstream: str = "",
                      usage: dict[str, int] | None = None, by_metadata: bool = True,
                      body_in_s: float | None = None, first_byte_in_s: float | None = None,
-                     error: str | None = None, **flags: bool) -> al.HTTPAccessLogEntry:
+                     ended_in_s: float | None = None, error: str | None = None,
+                     **flags: bool) -> al.HTTPAccessLogEntry:
     """Envoy's access log entry at a request's end: the decision id in envoy.lb metadata (a
     body-only routing answer's) or in the logged request headers, the usage its Lua filter
-    read, the worker, when (since the request's start) its body was in and the worker's
-    first byte came, Envoy's error header, the response flags
+    read, the worker, when (since the request's start) its body was in, the worker's
+    first byte came and the response's last byte went, Envoy's error header, the response flags
     (``downstream_connection_termination=True``, …)."""
     common = al.AccessLogCommon(response_flags=al.ResponseFlags(**flags))
     if body_in_s is not None:
         common.time_to_last_rx_byte.FromNanoseconds(int(body_in_s * 1e9))
     if first_byte_in_s is not None:
         common.time_to_first_upstream_rx_byte.FromNanoseconds(int(first_byte_in_s * 1e9))
+    if ended_in_s is not None:
+        common.time_to_last_downstream_tx_byte.FromNanoseconds(int(ended_in_s * 1e9))
     if by_metadata:
         common.metadata.filter_metadata["envoy.lb"].update(
             {"x-cachepilot-decision-id": decision_id})

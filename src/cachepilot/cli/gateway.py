@@ -378,6 +378,12 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
                    "token, and Envoy's access log reports the end, with the usage a Lua filter "
                    "reads from the answer's last bytes. end: every response message goes to "
                    "the gateway (~40 µs of its CPU each: one per streamed token).")
+@click.option("--access-log-flush-ms", type=click.IntRange(min=0), default=10,
+              show_default=True,
+              help="Envoy's access log sends the entries of this many ms together (a gRPC "
+                   "message costs the gateway more than an entry); a request's outcome "
+                   "(status, usage) reaches the gateway up to this much after its end. 0: "
+                   "each entry at once.")
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
 @click.option("--worker-requests-per-connection", type=click.IntRange(min=0), default=0,
               show_default=True,
@@ -401,7 +407,7 @@ def _prompt_path(tokenizer: str | None, vllm_hash_seed: str | None,
 def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext_proc: str,
                      ext_proc_processes: int,
                      fail_open: bool, fallback: str, observe_responses: bool,
-                     observe_until: str,
+                     observe_until: str, access_log_flush_ms: int,
                      max_body_bytes: int, worker_requests_per_connection: int, fmt: str,
                      epp: bool, workers: str, subset_from_header: bool,
                      output: str | None) -> None:
@@ -434,6 +440,7 @@ def envoy_config_cmd(listen_port: int, listen_address: str, admin_port: int, ext
                             fallback_workers=tuple(x for x in fallback.split(",") if x),
                             observe_responses=observe_responses, max_body_bytes=max_body_bytes,
                             observe_until_first_token=observe_until == "first-token",
+                            access_log_flush_ms=access_log_flush_ms,
                             ext_proc_processes=ext_proc_processes,
                             worker_requests_per_connection=worker_requests_per_connection)
     except ValueError as exc:

@@ -306,9 +306,24 @@ class Router:
         for plugin in self.plugins:
             plugin.on_first_token(decision, ttft_ms)
 
+    def vacate(self, decision: Decision, at: float) -> None:
+        """The request is over (its proxy ended it at ``at``) and its outcome comes later
+        (Envoy's access log sends entries in batches): it no longer occupies its worker, so
+        the next request is priced without it; :meth:`release` then reports the outcome."""
+        if decision.finished or decision.vacated:
+            return
+        self.first_token(decision)  # an ended response's prefill is over (no-op if known)
+        decision.vacated = True
+        pool = self.pools.get(decision.pool)
+        w = None if pool is None else pool.workers.get(decision.chosen)
+        if w is not None and w.inflight > 0:
+            w.inflight -= 1
+            w.freed_at = max(w.freed_at, at)
+
     def release(self, decision: Decision, outcome: Outcome | None = None) -> None:
-        """The request finished, failed or was abandoned: it no longer occupies its worker.
-        Idempotent: the lifecycle's end is reported to the plugins once."""
+        """The request finished, failed or was abandoned: it no longer occupies its worker
+        (unless vacated already). Idempotent: the lifecycle's end is reported to the plugins
+        once."""
         if decision.finished:
             return
         decision.finished = True
@@ -316,7 +331,7 @@ class Router:
         pool = self.pools.get(decision.pool)
         w = None if pool is None else pool.workers.get(decision.chosen)
         outcome = outcome or Outcome()
-        if w is not None and w.inflight > 0:
+        if w is not None and w.inflight > 0 and not decision.vacated:
             w.inflight -= 1
             if outcome.completed_at is not None:
                 w.freed_at = max(w.freed_at, outcome.completed_at)

@@ -275,8 +275,13 @@ class Director:
             if ticket.state == QUEUED:
                 await done
         except asyncio.CancelledError:
-            self.flow.cancel(ticket, self.clock())
-            ex.phase = Phase.FAILED
+            if ticket.decision is not None:
+                # Dispatched (booked on its worker) just before its client left, the wait not
+                # yet resumed: the exchange holds the decision, so the stream's end releases it.
+                ex.decision, ex.phase = ticket.decision, Phase.ROUTED
+            else:
+                self.flow.cancel(ticket, self.clock())
+                ex.phase = Phase.FAILED
             raise
         if ticket.decision is None:
             ex.phase = Phase.FAILED
@@ -370,12 +375,12 @@ class Director:
     def logged_end(self, ex: Exchange, *, status: int | None, answered_by: str | None,
                    cached_tokens: int | None, completion_tokens: int | None,
                    aborted: bool, first_byte_at: float | None = None,
-                   error: str | None = None) -> None:
+                   ended_at: float | None = None, error: str | None = None) -> None:
         """The response's end as Envoy's access log reports it (its observing stream stopped
         at the first token, or there was none): its status, who answered, the usage Envoy
-        read from its end; ``first_byte_at``: when the worker's first byte came (by
-        Envoy's timings; None: now), ``error``: Envoy's reason for an error reply of its
-        own."""
+        read from its end; ``first_byte_at`` and ``ended_at``: when the worker's first byte
+        came and when the response ended (by Envoy's timings: the entry may come a batch
+        later; None: now), ``error``: Envoy's reason for an error reply of its own."""
         if ex.done or ex.decision is None:
             return
         if ex.phase is not Phase.RESPONDING and status:  # no observer saw the headers
@@ -388,10 +393,18 @@ class Director:
             ex.cached_tokens = cached_tokens
         if completion_tokens is not None:
             ex.completion_tokens = completion_tokens
-        self.finish(ex, aborted=aborted)
+        self.finish(ex, aborted=aborted, at=ended_at)
 
-    def finish(self, ex: Exchange, aborted: bool = False) -> None:
-        """Release the worker once and report the outcome (the lifecycle's end)."""
+    def ended(self, ex: Exchange) -> None:
+        """The proxy ended the request, and its access log entry, a batch later, will say
+        how: its worker is free now (:meth:`Router.vacate`)."""
+        d = ex.decision
+        if d is not None and not ex.done:
+            self.router.vacate(d, self.clock())
+
+    def finish(self, ex: Exchange, aborted: bool = False, at: float | None = None) -> None:
+        """Release the worker once and report the outcome (the lifecycle's end); ``at``:
+        when the response ended, if not now."""
         d = ex.decision
         if ex.done or d is None:
             return
@@ -403,7 +416,7 @@ class Director:
             ttft_kind=FIRST_TOKEN if ex.stream else FIRST_BYTE,
             first_byte_ms=None if ex.first_byte_s is None else ex.first_byte_s * 1000.0,
             cached_tokens=ex.cached_tokens, completion_tokens=ex.completion_tokens,
-            completed_at=self.clock(),
+            completed_at=self.clock() if at is None else at,
             answered_by=ex.answered_by, observed=self.options.observe_responses))
 
 

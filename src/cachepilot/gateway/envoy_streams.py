@@ -247,6 +247,7 @@ class EnvoyStreams:
         ex, d = s.ex, s.ex.decision
         if d is not None and not ex.done and not s.sees_response:
             if d.id in self.handover.unlogged:  # Envoy ended the request: its entry is due
+                self.director.ended(ex)
                 self.handover.ended[d.id] = (ex, self.director.clock())
                 return
             if d.id in self.handover.live:
@@ -301,6 +302,7 @@ class EnvoyStreams:
             return
         usage = meta[USAGE_NAMESPACE].fields if USAGE_NAMESPACE in meta else {}
         upstream = common.upstream_remote_address.socket_address
+        now = self.director.clock()
 
         def count(key: str) -> int | None:
             v = usage.get(key)
@@ -311,7 +313,8 @@ class EnvoyStreams:
             answered_by=f"{upstream.address}:{upstream.port_value}" if upstream.address else None,
             cached_tokens=count("cached_tokens"), completion_tokens=count("completion_tokens"),
             aborted=_cut_short(common.response_flags),
-            first_byte_at=_first_byte_at(ex, common, self.director.clock()),
+            first_byte_at=_after_body(ex, common, "time_to_first_upstream_rx_byte", now),
+            ended_at=_after_body(ex, common, "time_to_last_downstream_tx_byte", now),
             error=entry.response.response_headers.get(ERROR_HEADER))
 
     def _bind(self, msg: ep.ProcessingRequest) -> Exchange | None:
@@ -368,15 +371,16 @@ class EnvoyStreams:
         self.director.response_started(ex, status, answered_by, error, msg.end_of_stream)
 
 
-def _first_byte_at(ex: Exchange, common: al.AccessLogCommon, now: float) -> float:
-    """When, on the gateway's clock, the worker's first byte came, by Envoy's timings: after
-    the request body's last byte (when Envoy sent it to the gateway, just before the exchange
-    started) by the time Envoy reports between the two. The entry's own arrival would add
-    the access log's delivery (a few ms). ``now`` if the worker sent nothing."""
-    if not (common.HasField("time_to_first_upstream_rx_byte")
-            and common.HasField("time_to_last_rx_byte")):
+def _after_body(ex: Exchange, common: al.AccessLogCommon, timing: str, now: float) -> float:
+    """When, on the gateway's clock, one of Envoy's timings came (the worker's first byte,
+    the response's last): after the request body's last byte (when Envoy sent it to the
+    gateway, just before the exchange started) by the time Envoy reports between the two.
+    The entry's own arrival would add the access log's delivery (up to its flush interval:
+    Envoy sends entries in batches). ``now`` if Envoy has no such timing (the worker sent
+    nothing)."""
+    if not (common.HasField(timing) and common.HasField("time_to_last_rx_byte")):
         return now
-    after = (common.time_to_first_upstream_rx_byte.ToTimedelta()
+    after = (getattr(common, timing).ToTimedelta()
              - common.time_to_last_rx_byte.ToTimedelta()).total_seconds()
     return min(now, ex.started + max(0.0, after))
 

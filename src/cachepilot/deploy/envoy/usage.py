@@ -64,7 +64,8 @@ def usage_filter() -> dict[str, Any]:
         "default_source_code": {"inline_string": LUA_USAGE}}}
 
 
-def access_logs(clusters: list[str], *, by_metadata: bool) -> list[dict[str, Any]]:
+def access_logs(clusters: list[str], *, by_metadata: bool, flush_ms: int = 0
+                ) -> list[dict[str, Any]]:
     """One gRPC access logger per gateway process (``clusters[i]``: process i's; one cluster:
     every routed request), logging the requests that gateway routed: those with a decision id
     (in ``envoy.lb`` metadata when ``by_metadata``, the body-only routing answer's, else in
@@ -87,8 +88,11 @@ def access_logs(clusters: list[str], *, by_metadata: bool) -> list[dict[str, Any
                         "common_config": {
                             "log_name": "cachepilot", "transport_api_version": "V3",
                             "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
-                            # Each entry at once: it releases the worker's booking.
-                            "buffer_size_bytes": 0},
+                            # Entries of flush_ms together, in one message (a message
+                            # costs the gateway more than an entry), or each at once.
+                            **({"buffer_size_bytes": 0} if flush_ms <= 0 else
+                               {"buffer_size_bytes": 65536,
+                                "buffer_flush_interval": f"{flush_ms / 1000}s"})},
                         # Envoy's reason for an error reply of its own (local_reply_config).
                         "additional_response_headers_to_log": [ERROR_HEADER],
                         **({} if by_metadata else
