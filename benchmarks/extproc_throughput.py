@@ -133,8 +133,7 @@ class Driver:
     first token (``until_first_token``, the default: a request the routing answer marks
     unobserved, not streamed, gets no observing stream, only an access log entry at its end,
     on one log stream per process as Envoy keeps, sent with the others of ``log_flush_ms``)
-    or whole (an observing stream carrying
-    every body message, ``--observe-until end``)."""
+    or whole (an observing stream carrying every body message, ``--observe-until end``)."""
 
     def __init__(self, ports: list[int], observe: bool, response_chunks: int = 1,
                  until_first_token: bool = True, log_flush_ms: float = 10.0) -> None:
