@@ -84,7 +84,7 @@ class Decision:
     uncached_tokens: int = 0
     prefill_pending: bool = False
     finished: bool = False  # released: the lifecycle's end has been reported
-    vacated: bool = False  # off its worker before its outcome came (Router.vacate)
+    vacated: bool = False  # its worker counts it no more (Router.vacate or release)
     arrival_rate: float = 0.0  # the pool's recent requests/s, which prices congestion
     typical_uncached: float = 0.0  # what a waiting request someone else sent is assumed to be
     # What the driver routed (never recorded: the prompt stays out of records unless the

@@ -313,12 +313,7 @@ class Router:
         if decision.finished or decision.vacated:
             return
         self.first_token(decision)  # an ended response's prefill is over (no-op if known)
-        decision.vacated = True
-        pool = self.pools.get(decision.pool)
-        w = None if pool is None else pool.workers.get(decision.chosen)
-        if w is not None and w.inflight > 0:
-            w.inflight -= 1
-            w.freed_at = max(w.freed_at, at)
+        self._free_worker(decision, at)
 
     def release(self, decision: Decision, outcome: Outcome | None = None) -> None:
         """The request finished, failed or was abandoned: it no longer occupies its worker
@@ -328,13 +323,9 @@ class Router:
             return
         decision.finished = True
         self._prefill_done(decision)
-        pool = self.pools.get(decision.pool)
-        w = None if pool is None else pool.workers.get(decision.chosen)
         outcome = outcome or Outcome()
-        if w is not None and w.inflight > 0 and not decision.vacated:
-            w.inflight -= 1
-            if outcome.completed_at is not None:
-                w.freed_at = max(w.freed_at, outcome.completed_at)
+        self._free_worker(decision, outcome.completed_at)
+        pool = self.pools.get(decision.pool)
         if pool is not None:
             pool.policy.on_finish(decision, outcome)
         for plugin in self.plugins:
@@ -369,6 +360,19 @@ class Router:
         d = pool.directory
         return sum(min(p.uncached_tokens, p.block_size * d.stored_blocks(
             addr, p.hashes[p.winner.matched_blocks:])) for p in pending.values())
+
+    def _free_worker(self, decision: Decision, at: float | None) -> None:
+        """The worker counts the request no more (once: :meth:`vacate` or :meth:`release`);
+        ``at``: when it was free, if known."""
+        if decision.vacated:
+            return
+        decision.vacated = True
+        pool = self.pools.get(decision.pool)
+        w = None if pool is None else pool.workers.get(decision.chosen)
+        if w is not None and w.inflight > 0:
+            w.inflight -= 1
+            if at is not None:
+                w.freed_at = max(w.freed_at, at)
 
     def _prefill_done(self, decision: Decision) -> bool:
         """Stop counting the decision's prefill as pending; False if it already was."""

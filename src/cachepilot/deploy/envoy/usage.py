@@ -64,7 +64,7 @@ def usage_filter() -> dict[str, Any]:
         "default_source_code": {"inline_string": LUA_USAGE}}}
 
 
-def access_logs(clusters: list[str], *, by_metadata: bool, flush_ms: int = 0
+def access_logs(clusters: list[str], *, by_metadata: bool, flush_ms: int
                 ) -> list[dict[str, Any]]:
     """One gRPC access logger per gateway process (``clusters[i]``: process i's; one cluster:
     every routed request), logging the requests that gateway routed: those with a decision id
