@@ -21,7 +21,13 @@ folder per phase) and print
   prefills at once slow each other), and the same prompt's prefill under CachePilot over
   its prefill under each peer, paired by (workload, seed, tokens), for all of them and for
   those that had the machine to themselves: what the engine, not the path, took longer;
-* with ``--samples`` (the study's ``samples.json``), **the same request through each router
+* with ``--samples`` (the study's ``samples.json``), **cold repeats**: each router's requests
+  by whether an earlier request of the phase brought their document (the workload is drawn
+  again from its seed) and how much of them the engine served from cache: a document's first
+  request is cold under any router; a repeat served cold is a miss some placement might have
+  avoided; and the share of all requests cold, which decides on which side of the gap between
+  a prefill (~2 s) and a hit (~0.2 s) the median falls;
+* with ``--samples``, **the same request through each router
   when both got the same cache outcome** (both cold: under a fifth of the prompt cached; both
   warm: over four fifths): CachePilot's TTFT minus the peer's, paired by (workload, seed,
   request), for all such requests and for those CachePilot did not hold. Placement cannot
@@ -29,6 +35,8 @@ folder per phase) and print
 
     python benchmarks/real_peers_diagnosis.py runs/real-peers-221-225-logs \
         --samples docs/results/real-peers/221-225/samples.json
+    python benchmarks/real_peers_diagnosis.py \
+        --samples docs/results/real-peers-vllm-chat/samples.json    # no logs: the cold repeats
 
 Several runs (on different seeds) together: name every run's logs, and each run's samples
 with its own ``--samples``.
@@ -43,6 +51,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from cachepilot.lab.real_peers import WORKLOADS
+from cachepilot.lab.real_traffic import requests
 from cachepilot.lab.stats import paired_ratio
 from cachepilot.records.schema import record_hashes
 from cachepilot.records.store import Store
@@ -236,13 +246,70 @@ def same_outcome(samples: list[dict[str, Any]],
                       + (f"{statistics.median(free):+.1f} |" if free else "– |"))
 
 
+def cache_share(x: dict[str, Any]) -> str:
+    """A served request by the share of its prompt the engine had cached."""
+    f = x["cached_tokens"] / x["prompt_tokens"]
+    return "cold" if f < 0.2 else "warm" if f > 0.8 else "partial"
+
+
+def cold_repeats(samples: list[dict[str, Any]]) -> dict[tuple[str, str], collections.Counter]:
+    """Per (workload, router): requests by first of their document in the phase or a
+    repeat, and cold, partial or warm; ``predicted hit`` counts CachePilot's cold repeats
+    the gateway expected to hit. Prints the table; returns the counts."""
+    phases_: dict[tuple[str, int], int] = collections.defaultdict(int)
+    for x in samples:
+        key = (x["workload"], x["seed"])
+        phases_[key] = max(phases_[key], x["request"] + 1)
+    first: dict[tuple[str, int, int], bool] = {}
+    for (workload, seed), n in phases_.items():
+        if workload not in WORKLOADS:
+            continue
+        seen: set[str] = set()
+        for r in requests(WORKLOADS[workload], n, seed):
+            first[(workload, seed, r.id)] = r.group not in seen
+            seen.add(r.group)
+    counts: dict[tuple[str, str], collections.Counter] = collections.defaultdict(
+        collections.Counter)
+    ttfts: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for x in samples:
+        key = (x["workload"], x["seed"], x["request"])
+        if not (x["ok"] and x["prompt_tokens"]) or key not in first:
+            continue
+        c = counts[(x["workload"], x["router"])]
+        kind = cache_share(x)
+        c[("first" if first[key] else "repeat", kind)] += 1
+        if not first[key] and kind == "cold" and x.get("predicted_hit"):
+            c["predicted hit"] += 1
+        ttfts[(x["workload"], x["router"])].append(x["ttft_s"] * 1000.0)
+    print("\n| workload | router | requests | first: cold / partial / warm | repeats: cold / "
+          "partial / warm | cold repeats predicted to hit | cold share | p50 ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (workload, router), c in sorted(counts.items()):
+        n = sum(v for k, v in c.items() if isinstance(k, tuple))
+        cold = c[("first", "cold")] + c[("repeat", "cold")]
+        hit = str(c["predicted hit"]) if router == "cachepilot" else "–"
+        print(f"| {workload} | {router} | {n} | "
+              + " / ".join(str(c[("first", k)]) for k in ("cold", "partial", "warm")) + " | "
+              + " / ".join(str(c[("repeat", k)]) for k in ("cold", "partial", "warm"))
+              + f" | {hit} | {cold / n:.2f} | "
+              f"{statistics.median(ttfts[(workload, router)]):.0f} |")
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("logs", type=Path, nargs="+", help="the study's --logs directory")
+    ap.add_argument("logs", type=Path, nargs="*",
+                    help="the study's --logs directory (none: only what --samples shows)")
     ap.add_argument("--samples", type=Path, action="append", default=[],
                     help="the study's samples.json: the same request through each router")
     args = ap.parse_args()
+    samples = [x for f in args.samples for x in json.loads(f.read_text())]
+    if not args.logs:
+        if not samples:
+            raise SystemExit("name the study's --logs directories, or its --samples")
+        cold_repeats(samples)
+        return
     cells = phases(args.logs)
     if not cells:
         raise SystemExit(f"no *-cachepilot/decisions under {' '.join(map(str, args.logs))}")
@@ -252,8 +319,9 @@ def main() -> None:
     dispatches(cells)
     release_gaps(cells)
     engine_prefills(args.logs)
-    if args.samples:
-        same_outcome([x for f in args.samples for x in json.loads(f.read_text())], cells)
+    if samples:
+        cold_repeats(samples)
+        same_outcome(samples, cells)
 
 
 if __name__ == "__main__":

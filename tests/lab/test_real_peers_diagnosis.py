@@ -1,0 +1,58 @@
+"""benchmarks/real_peers_diagnosis.py: the cold-repeats table (which requests of a real-peers
+phase brought their document first, and how much the engine served from cache)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from cachepilot.lab.real_peers import WORKLOADS
+from cachepilot.lab.real_traffic import requests
+
+from helpers.paths import BENCHMARKS, load_benchmark
+
+
+def sample(workload: str, seed: int, router: str, i: int, cached: int,
+           predicted_hit: bool | None = None) -> dict[str, Any]:
+    return {"workload": workload, "seed": seed, "router": router, "request": i, "ok": True,
+            "ttft_s": 2.0 if cached < 100 else 0.2, "prompt_tokens": 500,
+            "cached_tokens": cached, "predicted_hit": predicted_hit}
+
+
+def test_first_requests_and_repeats_are_told_apart_by_the_drawn_workload(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    mod = load_benchmark("real_peers_diagnosis")
+    reqs = requests(WORKLOADS["hotspot"], 20, 300)
+    seen: set[str] = set()
+    first = []
+    for r in reqs:
+        first.append(r.group not in seen)
+        seen.add(r.group)
+    assert 0 < sum(first) < 20  # a hotspot phase repeats documents
+    # Router "a" serves every repeat warm; "b" every repeat cold, each expected to hit;
+    # a partial reuse (half the prompt) for one of a's first requests is counted as such.
+    samples = [sample("hotspot", 300, "a", i, 500 if not f else (250 if i == 0 else 0))
+               for i, f in enumerate(first)]
+    samples += [sample("hotspot", 300, "cachepilot", i, 0, predicted_hit=not f)
+                for i, f in enumerate(first)]
+    counts = mod.cold_repeats(samples)
+    n_first, n_rep = sum(first), 20 - sum(first)
+    a, cp = counts[("hotspot", "a")], counts[("hotspot", "cachepilot")]
+    assert (a[("first", "partial")], a[("first", "cold")], a[("repeat", "warm")]) == (
+        1, n_first - 1, n_rep)
+    assert (cp[("first", "cold")], cp[("repeat", "cold")], cp["predicted hit"]) == (
+        n_first, n_rep, n_rep)
+    out = capsys.readouterr().out
+    assert f"| hotspot | cachepilot | 20 | {n_first} / 0 / 0 | {n_rep} / 0 / 0 | {n_rep} | 1.00 |" \
+        in out
+    assert "| hotspot | a | 20 |" in out and "| – |" in out
+
+
+def test_without_logs_or_samples_it_says_so_in_one_line() -> None:
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "real_peers_diagnosis.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == "name the study's --logs directories, or its --samples"
