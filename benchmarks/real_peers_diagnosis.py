@@ -2,6 +2,8 @@
 ``cachepilot experiment real-peers`` run kept (``--logs DIR``: one ``<workload>-<seed>-cachepilot``
 folder per phase) and print
 
+* **the predicted reuse**: what the gateway expected the engine to reuse on the worker it
+  chose against what the engine reused (cold, partial, warm);
 * **the prediction's bias** by kind of request: the measured TTFT over the TTFT the router
   predicted for the worker it chose, for cold requests (under half the prompt cached) and
   warm ones, with or without a queue ahead (the predictor has to learn what the calibrated
@@ -130,6 +132,36 @@ def diversions(cells: dict[str, list[dict[str, Any]]]) -> None:
           f"included) at most the counterfactual in {right}, above it in {wrong}")
 
 
+def share_kind(cached: float, tokens: float) -> str:
+    """A prompt by the share of it cached: cold under a fifth, warm over four fifths."""
+    f = cached / tokens if tokens else 0.0
+    return "cold" if f < 0.2 else "warm" if f > 0.8 else "partial"
+
+
+def predicted_reuse(cells: dict[str, list[dict[str, Any]]]) -> collections.Counter:
+    """What the gateway expected the engine to reuse on the worker it chose against what the
+    engine reused, each as cold / partial / warm of the prompt, by workload (a slot engine
+    restoring a prompt from its cache reuses it only up to a context checkpoint: partial).
+    Prints the table; returns the counts."""
+    counts: collections.Counter = collections.Counter()
+    for name, recs in cells.items():
+        workload = name.split("-")[0]
+        for r in recs:
+            cached = (r.get("outcome") or {}).get("cached_tokens")
+            if cached is None or not r["tokens"]:
+                continue
+            counts[(workload, share_kind(r["predicted_cached_tokens"], r["tokens"]),
+                    share_kind(cached, r["tokens"]))] += 1
+    kinds = ("cold", "partial", "warm")
+    print("\n| workload | predicted | engine: cold | partial | warm |\n|---|---|---:|---:|---:|")
+    for workload in sorted({k[0] for k in counts}):
+        for p in kinds:
+            if any(counts[(workload, p, e)] for e in kinds):
+                print(f"| {workload} | {p} | "
+                      + " | ".join(str(counts[(workload, p, e)]) for e in kinds) + " |")
+    return counts
+
+
 def dispatches(cells: dict[str, list[dict[str, Any]]]) -> None:
     counts = collections.Counter(
         ((r.get("flow") or {}).get("hold_reason") or "not held",
@@ -246,12 +278,6 @@ def same_outcome(samples: list[dict[str, Any]],
                       + (f"{statistics.median(free):+.1f} |" if free else "– |"))
 
 
-def cache_share(x: dict[str, Any]) -> str:
-    """A served request by the share of its prompt the engine had cached."""
-    f = x["cached_tokens"] / x["prompt_tokens"]
-    return "cold" if f < 0.2 else "warm" if f > 0.8 else "partial"
-
-
 def cold_repeats(samples: list[dict[str, Any]]) -> dict[tuple[str, str], collections.Counter]:
     """Per (workload, router): requests by first of their document in the phase or a
     repeat, and cold, partial or warm; ``predicted hit`` counts CachePilot's cold repeats
@@ -276,7 +302,7 @@ def cold_repeats(samples: list[dict[str, Any]]) -> dict[tuple[str, str], collect
         if not (x["ok"] and x["prompt_tokens"]) or key not in first:
             continue
         c = counts[(x["workload"], x["router"])]
-        kind = cache_share(x)
+        kind = share_kind(x["cached_tokens"], x["prompt_tokens"])
         c[("first" if first[key] else "repeat", kind)] += 1
         if not first[key] and kind == "cold" and x.get("predicted_hit"):
             c["predicted hit"] += 1
@@ -315,6 +341,7 @@ def main() -> None:
         raise SystemExit(f"no *-cachepilot/decisions under {' '.join(map(str, args.logs))}")
     print(f"{len(cells)} CachePilot phases, {sum(map(len, cells.values()))} decisions\n")
     bias(cells)
+    predicted_reuse(cells)
     diversions(cells)
     dispatches(cells)
     release_gaps(cells)

@@ -56,3 +56,23 @@ def test_without_logs_or_samples_it_says_so_in_one_line() -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip() == "name the study's --logs directories, or its --samples"
+
+
+def test_predicted_reuse_is_set_against_the_engines_by_share_of_the_prompt(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    mod = load_benchmark("real_peers_diagnosis")
+
+    def rec(predicted: int, cached: int | None) -> dict[str, Any]:
+        return {"tokens": 500, "predicted_cached_tokens": predicted,
+                "outcome": None if cached is None else {"cached_tokens": cached}}
+
+    cells = {"hotspot-300-cachepilot": [rec(0, 10), rec(300, 290), rec(300, 480),
+                                        rec(480, 490), rec(480, None)],
+             "shared-300-cachepilot": [rec(0, 0)]}
+    counts = mod.predicted_reuse(cells)
+    assert counts == {("hotspot", "cold", "cold"): 1, ("hotspot", "partial", "partial"): 1,
+                      ("hotspot", "partial", "warm"): 1, ("hotspot", "warm", "warm"): 1,
+                      ("shared", "cold", "cold"): 1}
+    out = capsys.readouterr().out
+    assert "| hotspot | partial | 0 | 1 | 1 |" in out
+    assert "| shared | cold | 1 | 0 | 0 |" in out and "| shared | warm |" not in out
