@@ -1,5 +1,7 @@
 """benchmarks/real_peers_diagnosis.py: the cold-repeats table (which requests of a real-peers
-phase brought their document first, and how much the engine served from cache)."""
+phase brought their document first, and how much the engine served from cache), the
+predicted-reuse table (the gateway's expectation against the engine's), and its one-line
+error without input."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def test_first_requests_and_repeats_are_told_apart_by_the_drawn_workload(
         first.append(r.group not in seen)
         seen.add(r.group)
     assert 0 < sum(first) < 20  # a hotspot phase repeats documents
-    # Router "a" serves every repeat warm; "b" every repeat cold, each expected to hit;
+    # Router "a" serves every repeat warm; CachePilot every repeat cold, each expected to hit;
     # a partial reuse (half the prompt) for one of a's first requests is counted as such.
     samples = [sample("hotspot", 300, "a", i, 500 if not f else (250 if i == 0 else 0))
                for i, f in enumerate(first)]
