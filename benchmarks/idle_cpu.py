@@ -17,7 +17,7 @@ from pathlib import Path
 from cachepilot.tooling.stack import LocalStack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from processes_hit_rate import _arms
+from processes_hit_rate import envoy_arms
 
 
 def _cpu(stack: LocalStack) -> tuple[float, float]:
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="idle stretch per stack")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    arms = _arms(args.envoy, 1)
+    arms = envoy_arms(args.envoy, 1)
     label = args.envoy.split("=", 1)[0]
     print(f"| round | {label} | Envoy CPU ms/s | gateway CPU ms/s |\n|---:|---:|---:|---:|")
     for r in range(args.rounds):

@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     spec = replace(WORKLOAD, duration=args.duration, rate=args.rate)
-    arms = _arms(args.envoy, args.processes)
+    arms = envoy_arms(args.envoy, args.processes)
     label = "processes" if args.envoy is None else args.envoy.split("=", 1)[0]
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
@@ -81,7 +81,7 @@ def main() -> None:
                                                "rows": rows}, indent=1))
 
 
-def _arms(envoy: str | None, processes: int) -> list[tuple[str, int, dict[str, Any]]]:
+def envoy_arms(envoy: str | None, processes: int) -> list[tuple[str, int, dict[str, Any]]]:
     """The two arms: (name, processes, Envoy options)."""
     if envoy is None:
         return [("1", 1, {}), (str(processes), processes, {})]

@@ -24,8 +24,8 @@ folder per phase) and print
   its prefill under each peer, paired by (workload, seed, tokens), for all of them and for
   those that had the machine to themselves: what the engine, not the path, took longer;
 * with ``--samples`` (the study's ``samples.json``), **cold repeats**: each router's requests
-  by whether an earlier request of the phase brought their document (the workload is drawn
-  again from its seed) and how much of them the engine served from cache: a document's first
+  by whether an earlier request of the phase brought their document (the sample's label
+  names it) and how much of them the engine served from cache: a document's first
   request is cold under any router; a repeat served cold is a miss some placement might have
   avoided; and the share of all requests cold, which decides on which side of the gap between
   a prefill (~2 s) and a hit (~0.2 s) the median falls;
@@ -53,8 +53,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from cachepilot.lab.real_peers import WORKLOADS
-from cachepilot.lab.real_traffic import requests
 from cachepilot.lab.stats import paired_ratio
 from cachepilot.records.schema import record_hashes
 from cachepilot.records.store import Store
@@ -265,10 +263,10 @@ def same_outcome(samples: list[dict[str, Any]],
           "not held: pairs | median |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for peer in peers:
-        for kind, test in (("cold", lambda f: f < 0.2), ("warm", lambda f: f > 0.8)):
+        for kind in ("cold", "warm"):
             d = [((c["cachepilot"]["ttft_s"] - c[peer]["ttft_s"]) * 1000.0, key not in held)
                  for key, c in cells.items() if "cachepilot" in c and peer in c
-                 and all(test(c[r]["cached_tokens"] / c[r]["prompt_tokens"])
+                 and all(share_kind(c[r]["cached_tokens"], c[r]["prompt_tokens"]) == kind
                          for r in ("cachepilot", peer))]
             if d:
                 free = [x for x, not_held in d if not_held]
@@ -279,27 +277,22 @@ def same_outcome(samples: list[dict[str, Any]],
 
 
 def cold_repeats(samples: list[dict[str, Any]]) -> dict[tuple[str, str], collections.Counter]:
-    """Per (workload, router): requests by first of their document in the phase or a
-    repeat, and cold, partial or warm; ``predicted hit`` counts CachePilot's cold repeats
-    the gateway expected to hit. Prints the table; returns the counts."""
-    phases_: dict[tuple[str, int], int] = collections.defaultdict(int)
-    for x in samples:
-        key = (x["workload"], x["seed"])
-        phases_[key] = max(phases_[key], x["request"] + 1)
-    first: dict[tuple[str, int, int], bool] = {}
-    for (workload, seed), n in phases_.items():
-        if workload not in WORKLOADS:
-            continue
-        seen: set[str] = set()
-        for r in requests(WORKLOADS[workload], n, seed):
-            first[(workload, seed, r.id)] = r.group not in seen
-            seen.add(r.group)
+    """Per (workload, router): requests by first of their document in the phase (the
+    sample's label names it: ``lab.real_traffic.label``) or a repeat, and cold, partial or
+    warm; ``predicted hit`` counts CachePilot's cold repeats the gateway expected to hit.
+    Prints the table; returns the counts."""
+    first: dict[tuple[str, int, str, int], bool] = {}
+    seen: set[tuple[str, int, str, str]] = set()
+    for x in sorted(samples, key=lambda x: x["request"]):
+        doc = (x["workload"], x["seed"], x["router"], x["label"])
+        first[(x["workload"], x["seed"], x["router"], x["request"])] = doc not in seen
+        seen.add(doc)
     counts: dict[tuple[str, str], collections.Counter] = collections.defaultdict(
         collections.Counter)
     ttfts: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     for x in samples:
-        key = (x["workload"], x["seed"], x["request"])
-        if not (x["ok"] and x["prompt_tokens"]) or key not in first:
+        key = (x["workload"], x["seed"], x["router"], x["request"])
+        if not (x["ok"] and x["prompt_tokens"]):
             continue
         c = counts[(x["workload"], x["router"])]
         kind = share_kind(x["cached_tokens"], x["prompt_tokens"])

@@ -1,7 +1,7 @@
 """benchmarks/real_peers_diagnosis.py: the cold-repeats table (which requests of a real-peers
-phase brought their document first, and how much the engine served from cache), the
-predicted-reuse table (the gateway's expectation against the engine's), and its one-line
-error without input."""
+phase brought their document first, by the samples' labels, and how much the engine served
+from cache), the predicted-reuse table (the gateway's expectation against the engine's), and
+its one-line error without input."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from typing import Any
 import pytest
 
 from cachepilot.lab.real_peers import WORKLOADS
-from cachepilot.lab.real_traffic import requests
+from cachepilot.lab.real_traffic import label, requests
 
 from helpers.paths import BENCHMARKS, load_benchmark
 
 
-def sample(workload: str, seed: int, router: str, i: int, cached: int,
+def sample(workload: str, seed: int, router: str, i: int, doc: str, cached: int,
            predicted_hit: bool | None = None) -> dict[str, Any]:
-    return {"workload": workload, "seed": seed, "router": router, "request": i, "ok": True,
+    return {"workload": workload, "seed": seed, "router": router, "request": i,
+            "label": doc, "ok": True,
             "ttft_s": 2.0 if cached < 100 else 0.2, "prompt_tokens": 500,
             "cached_tokens": cached, "predicted_hit": predicted_hit}
 
@@ -27,19 +28,16 @@ def sample(workload: str, seed: int, router: str, i: int, cached: int,
 def test_first_requests_and_repeats_are_told_apart_by_the_drawn_workload(
         capsys: pytest.CaptureFixture[str]) -> None:
     mod = load_benchmark("real_peers_diagnosis")
-    reqs = requests(WORKLOADS["hotspot"], 20, 300)
-    seen: set[str] = set()
-    first = []
-    for r in reqs:
-        first.append(r.group not in seen)
-        seen.add(r.group)
+    reqs = requests(WORKLOADS["hotspot"], 20, 300)  # the study's draw and labels
+    docs = [label(r) for r in reqs]
+    first = [d not in docs[:i] for i, d in enumerate(docs)]
     assert 0 < sum(first) < 20  # a hotspot phase repeats documents
     # Router "a" serves every repeat warm; CachePilot every repeat cold, each expected to hit;
     # a partial reuse (half the prompt) for one of a's first requests is counted as such.
-    samples = [sample("hotspot", 300, "a", i, 500 if not f else (250 if i == 0 else 0))
-               for i, f in enumerate(first)]
-    samples += [sample("hotspot", 300, "cachepilot", i, 0, predicted_hit=not f)
-                for i, f in enumerate(first)]
+    samples = [sample("hotspot", 300, "a", i, docs[i],
+                      500 if not f else (250 if i == 0 else 0)) for i, f in enumerate(first)]
+    samples += [sample("hotspot", 300, "cachepilot", i, docs[i], 0, predicted_hit=not f)
+                for i, f in enumerate(first)][::-1]  # in any order: requests are numbered
     counts = mod.cold_repeats(samples)
     n_first, n_rep = sum(first), 20 - sum(first)
     a, cp = counts[("hotspot", "a")], counts[("hotspot", "cachepilot")]
@@ -51,6 +49,19 @@ def test_first_requests_and_repeats_are_told_apart_by_the_drawn_workload(
     assert f"| hotspot | cachepilot | 20 | {n_first} / 0 / 0 | {n_rep} / 0 / 0 | {n_rep} | 1.00 |" \
         in out
     assert "| hotspot | a | 20 |" in out and "| – |" in out
+
+
+def test_a_phase_shorter_than_asked_is_counted_by_its_own_labels() -> None:
+    """The study asks for 20 requests but sends what the draw's window holds (18 for shared,
+    seed 262): every one is counted, firsts by the documents they name, not by a new draw."""
+    mod = load_benchmark("real_peers_diagnosis")
+    reqs = requests(WORKLOADS["shared"], 20, 262)
+    assert len(reqs) == 18
+    docs = [label(r) for r in reqs]
+    counts = mod.cold_repeats([sample("shared", 262, "cachepilot", i, d, 0)
+                               for i, d in enumerate(docs)])
+    c = counts[("shared", "cachepilot")]
+    assert (c[("first", "cold")], c[("repeat", "cold")]) == (len(set(docs)), 18 - len(set(docs)))
 
 
 def test_without_logs_or_samples_it_says_so_in_one_line() -> None:
